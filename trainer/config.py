@@ -1,0 +1,353 @@
+"""The job configuration: one schema shared by ds3dctl, ds3dd and the trainer.
+
+A job is described by a TOML file or a preset name, plus `--set key=value` overrides. It is
+validated twice (types and ranges by pydantic; combinations by `validate_job`) before any process
+starts, and every refusal names the field, the value, why, and what to use instead.
+
+This module imports pydantic and the standard library only, so `ds3dctl` starts fast.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .errors import ConfigError
+
+JOB_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    """A decoder-only GPT: pre-LayerNorm blocks, causal SDPA attention with rotary positions,
+    GELU MLP, untied input embedding and output head (untied so that the first and last pipeline
+    stages share no weight and need no tied-gradient all-reduce)."""
+
+    vocab_size: int = Field(gt=0, description="token vocabulary size (padded to a multiple of TP)")
+    d_model: int = Field(gt=0, description="hidden size")
+    n_layers: int = Field(gt=0, description="transformer blocks")
+    n_heads: int = Field(gt=0, description="attention heads")
+    seq_len: int = Field(gt=1, description="tokens per sample")
+    d_ff: int | None = Field(default=None, gt=0, description="MLP width; default 4 * d_model")
+    layer_d_ff: list[int] | None = Field(
+        default=None, description="per-block MLP widths (uneven models); overrides d_ff")
+    rope_theta: float = Field(default=10000.0, gt=0)
+    norm_eps: float = Field(default=1e-5, gt=0)
+    init_std: float = Field(default=0.02, gt=0)
+
+    @property
+    def ffn_width(self) -> int:
+        return self.d_ff or 4 * self.d_model
+
+    def block_ffn_widths(self) -> list[int]:
+        return list(self.layer_d_ff) if self.layer_d_ff else [self.ffn_width] * self.n_layers
+
+    def n_params(self) -> int:
+        """Parameters of the whole (unsharded) model."""
+        d, v = self.d_model, self.vocab_size
+        blocks = sum(4 * d * d + 4 * d + 2 * d * f + f + d + 4 * d for f in self.block_ffn_widths())
+        return v * d + blocks + 2 * d + d * v
+
+
+class ParallelConfig(_Section):
+    tp: int = Field(default=1, ge=1, description="tensor-parallel degree (within a node)")
+    pp: int = Field(default=1, ge=1, description="pipeline stages")
+    dp: int = Field(default=1, ge=1, description="data-parallel replicas")
+    zero_stage: int = Field(default=1, ge=0, le=3, description="ZeRO stage; 0/1 with PP > 1")
+    partition_method: Literal["parameters", "uniform"] | list[int] = Field(
+        default="parameters",
+        description="how blocks are split into stages: by parameter count, uniformly, or an "
+        "explicit list of blocks per stage, e.g. [3, 4, 5]")
+    activation_checkpoint_interval: int = Field(
+        default=0, ge=0, description="recompute activations every N layers (0 = off)")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+class TrainConfig(_Section):
+    steps: int = Field(default=100, gt=0, description="optimizer steps in the whole job")
+    micro_batch_size: int = Field(default=1, gt=0, description="samples per micro-batch per DP rank")
+    global_batch_size: int | None = Field(
+        default=None, gt=0, description="samples per optimizer step, all DP ranks together")
+    grad_accum_steps: int | None = Field(
+        default=None, gt=0, description="micro-batches per step per DP rank (derived if unset)")
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    lr: float = Field(default=3e-4, gt=0)
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1, description="final LR as a share of lr")
+    warmup_steps: int = Field(default=0, ge=0)
+    weight_decay: float = Field(default=0.1, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(default=1e-8, gt=0)
+    grad_clip: float = Field(default=1.0, ge=0, description="max global grad norm (0 = off)")
+    seed: int = Field(default=1234, ge=0)
+    initial_scale_power: int = Field(default=16, ge=0, le=32, description="fp16: initial 2**N")
+    loss_scale_window: int = Field(default=1000, gt=0, description="fp16: steps before raising")
+    hysteresis: int = Field(default=2, ge=1, description="fp16: overflows before lowering")
+    min_loss_scale: float = Field(default=1.0, gt=0)
+    compile: bool = Field(default=False, description="torch.compile the blocks (GPU)")
+    deepspeed_config: str | None = Field(
+        default=None, description="path of a DeepSpeed JSON merged over the generated one")
+
+    def grad_accum(self, dp: int) -> int:
+        """Micro-batches per step; the global batch stays fixed when DP changes (elastic)."""
+        if self.grad_accum_steps is not None:
+            return self.grad_accum_steps
+        if self.global_batch_size is None:
+            return 1
+        return max(1, self.global_batch_size // (self.micro_batch_size * dp))
+
+    def global_batch(self, dp: int) -> int:
+        return self.global_batch_size or self.micro_batch_size * self.grad_accum(dp) * dp
+
+
+class DataConfig(_Section):
+    source: str = Field(
+        default="synthetic", description='"synthetic", or a path to a flat token file (.bin)')
+    dtype: Literal["uint16", "uint32"] = "uint16"
+    skip_batches: list[tuple[int, int]] = Field(
+        default_factory=list, description="half-open ranges [start, end) of batch indices "
+        "never trained on (set by NaN recovery)")
+
+
+class CheckpointConfig(_Section):
+    interval: int = Field(default=0, ge=0, description="save every N steps (0 = only on demand)")
+    local_dir: str | None = Field(default=None, description="node-local tier; default JOB_DIR/ckpt")
+    store: str | None = Field(default=None, description='durable tier: "file:///p" or "s3://b/p"')
+    keep_last: int = Field(default=3, ge=1)
+    keep_every: int = Field(default=0, ge=0, description="also keep every Nth step (0 = none)")
+    load: bool = Field(default=True, description="resume from the newest complete checkpoint")
+
+
+class LaunchConfig(_Section):
+    nnodes: int = Field(default=1, ge=1, description="nodes the job starts on")
+    min_nodes: int | None = Field(default=None, ge=1, description="fewest nodes to keep running")
+    nproc_per_node: int | None = Field(default=None, ge=1)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    max_restarts: int = Field(default=3, ge=0)
+    hosts: list[str] = Field(default_factory=list, description="daemon addresses, one per node")
+
+
+class JobConfig(_Section):
+    name: str = "job"
+    preset: str | None = None
+    model: ModelConfig
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    launch: LaunchConfig = Field(default_factory=LaunchConfig)
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_safe(cls, v: str) -> str:
+        if not JOB_NAME_RE.match(v):
+            raise ValueError(
+                "must be 1-63 characters of a-z, 0-9, '.', '_' or '-', starting with a letter or "
+                "digit (it names a folder, so no '/', '..' or spaces)")
+        return v
+
+    def model_hash(self) -> str:
+        """Identifies the architecture: a checkpoint restores only into the same hash."""
+        blob = json.dumps(self.model.model_dump(mode="json"), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def dump_json(self) -> str:
+        return self.model_dump_json(indent=2)
+
+    @classmethod
+    def load_json(cls, path: str | Path) -> "JobConfig":
+        try:
+            return cls.model_validate_json(Path(path).read_text())
+        except ValidationError as e:
+            raise ConfigError(_explain(e, str(path))) from None
+
+
+# --------------------------------------------------------------------------------------------
+# Loading: preset or TOML, then overrides, then cross-field validation.
+
+
+def _explain(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{where}: unknown setting; check the spelling (see docs/configuration.md)")
+        elif e["type"] == "missing":
+            lines.append(f"{where}: required but missing")
+        else:
+            lines.append(f"{where}={e.get('input')!r}: {e['msg']}")
+    return f"invalid job configuration ({source}):\n  " + "\n  ".join(lines)
+
+
+def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`train.lr=1e-4` -> (["train", "lr"], 1e-4). Values are TOML; bare words are strings."""
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set train.lr=1e-4")
+    key, raw = item.split("=", 1)
+    path = key.strip().split(".")
+    if not all(re.fullmatch(r"[a-z_][a-z0-9_]*", p) for p in path):
+        raise ConfigError(f"--set {item!r}: {key!r} is not a dotted setting name like train.lr")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return path, value
+
+
+def build_job_config(source: str, overrides: list[str] | None = None,
+                     name: str | None = None) -> JobConfig:
+    """Preset name or TOML path -> validated JobConfig (overrides applied last)."""
+    from .presets import PRESETS, preset_dict
+
+    if source.endswith(".toml") or "/" in source:
+        path = Path(source)
+        if not path.is_file():
+            raise ConfigError(f"config file {source!r} does not exist; give a preset "
+                              f"({', '.join(PRESETS)}) or the path of a TOML file")
+        try:
+            raw = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{source}: not valid TOML: {e}") from None
+        base = raw.pop("preset", None)
+        data = _deep_merge(preset_dict(base), raw) if base else raw
+        if base:
+            data["preset"] = base
+    else:
+        data = preset_dict(source)
+        data["preset"] = source
+    for item in overrides or []:
+        path, value = parse_override(item)
+        node = data
+        for p in path[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {item!r}: {p!r} is a value, not a section")
+        node[path[-1]] = value
+    if name is not None:
+        data["name"] = name
+    data.setdefault("name", data.get("preset") or Path(source).stem)
+    try:
+        cfg = JobConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_explain(e, source)) from None
+    validate_job(cfg)
+    return cfg
+
+
+def validate_job(cfg: JobConfig, world_size: int | None = None) -> None:
+    """Refuses combinations that cannot run, before any process starts. Raises ConfigError
+    listing every problem at once, each with what to change."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    problems: list[str] = []
+
+    if p.zero_stage >= 2 and p.pp > 1:
+        problems.append(
+            f"parallel.zero_stage={p.zero_stage} with parallel.pp={p.pp}: DeepSpeed's pipeline "
+            "engine supports only ZeRO-0/1 (ZeRO-2/3 shard gradients that pipeline stages "
+            "accumulate across micro-batches). Use zero_stage=1 with pp>1, or pp=1 with "
+            "zero_stage 2/3")
+    if m.d_model % m.n_heads:
+        problems.append(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; "
+                        "pick d_model a multiple of n_heads")
+    elif (m.d_model // m.n_heads) % 2:
+        problems.append(f"head size d_model/n_heads={m.d_model // m.n_heads} is odd; rotary "
+                        "positions need an even head size")
+    if m.n_heads % p.tp:
+        problems.append(f"model.n_heads={m.n_heads} is not divisible by parallel.tp={p.tp}: each "
+                        "tensor-parallel rank holds whole heads; use tp dividing n_heads "
+                        f"({_divisors(m.n_heads)})")
+    if m.vocab_size % p.tp:
+        problems.append(f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={p.tp}: "
+                        "the embedding is split by vocabulary; pad vocab_size to a multiple of "
+                        f"{p.tp} (e.g. {(m.vocab_size + p.tp - 1) // p.tp * p.tp})")
+    widths = m.block_ffn_widths()
+    if m.layer_d_ff is not None and len(m.layer_d_ff) != m.n_layers:
+        problems.append(f"model.layer_d_ff has {len(m.layer_d_ff)} entries for "
+                        f"model.n_layers={m.n_layers}; give one width per block")
+    elif any(w % p.tp for w in widths):
+        problems.append(f"MLP widths {sorted(set(widths))} are not all divisible by parallel.tp="
+                        f"{p.tp}; use widths that are multiples of {p.tp}")
+    if isinstance(p.partition_method, list):
+        parts = p.partition_method
+        if len(parts) != p.pp or sum(parts) != m.n_layers or min(parts) < 1:
+            problems.append(f"parallel.partition_method={parts} must list blocks per stage: "
+                            f"{p.pp} positive numbers summing to model.n_layers={m.n_layers}")
+    elif m.n_layers % p.pp:
+        problems.append(
+            f"model.n_layers={m.n_layers} cannot be divided into parallel.pp={p.pp} stages; use "
+            f"n_layers a multiple of {p.pp}, or list blocks per stage explicitly, e.g. "
+            f"parallel.partition_method={_even_split(m.n_layers, p.pp)}")
+
+    dp = p.dp
+    if t.grad_accum_steps is not None and t.global_batch_size is not None:
+        want = t.micro_batch_size * t.grad_accum_steps * dp
+        if want != t.global_batch_size:
+            problems.append(
+                f"train.global_batch_size={t.global_batch_size} != micro_batch_size "
+                f"({t.micro_batch_size}) x grad_accum_steps ({t.grad_accum_steps}) x dp ({dp}) = "
+                f"{want}; set global_batch_size={want}, or leave grad_accum_steps unset to derive it")
+    elif t.global_batch_size is not None and t.global_batch_size % (t.micro_batch_size * dp):
+        problems.append(
+            f"train.global_batch_size={t.global_batch_size} is not divisible by micro_batch_size "
+            f"({t.micro_batch_size}) x dp ({dp}); use a multiple of {t.micro_batch_size * dp}")
+    if p.activation_checkpoint_interval and t.compile:
+        problems.append("train.compile=true with activation checkpointing is not supported; "
+                        "set one of them off")
+
+    launch = cfg.launch
+    if launch.min_nodes is not None and launch.min_nodes > launch.nnodes:
+        problems.append(f"launch.min_nodes={launch.min_nodes} > launch.nnodes={launch.nnodes}")
+    if launch.nproc_per_node is not None:
+        total = launch.nnodes * launch.nproc_per_node
+        if total != p.world_size:
+            problems.append(
+                f"launch.nnodes ({launch.nnodes}) x nproc_per_node ({launch.nproc_per_node}) = "
+                f"{total} processes, but tp x pp x dp = {p.tp} x {p.pp} x {p.dp} = "
+                f"{p.world_size}; make them equal")
+    elif p.world_size % launch.nnodes:
+        problems.append(f"tp x pp x dp = {p.world_size} processes cannot be spread evenly over "
+                        f"launch.nnodes={launch.nnodes} nodes")
+    if world_size is not None and world_size != p.world_size:
+        problems.append(
+            f"the job has {world_size} processes but tp x pp x dp = {p.tp} x {p.pp} x {p.dp} = "
+            f"{p.world_size}; the world size must be the product of the three degrees")
+    if cfg.checkpoint.store is not None and not re.match(r"^(file|s3)://", cfg.checkpoint.store):
+        problems.append(f"checkpoint.store={cfg.checkpoint.store!r}: use file:///absolute/path "
+                        "or s3://bucket/prefix")
+    if t.deepspeed_config is not None and not Path(t.deepspeed_config).is_file():
+        problems.append(f"train.deepspeed_config={t.deepspeed_config!r} does not exist")
+    for start, end in cfg.data.skip_batches:
+        if not 0 <= start < end:
+            problems.append(f"data.skip_batches range [{start}, {end}) is empty or negative")
+    if cfg.data.source != "synthetic" and not cfg.data.source.endswith(".bin"):
+        problems.append(f"data.source={cfg.data.source!r}: use \"synthetic\" or the path of a flat "
+                        "token file ending in .bin (see `python -m ds3d.trainer.data --help`)")
+    if problems:
+        raise ConfigError(f"job {cfg.name!r} cannot run as configured:\n  - "
+                          + "\n  - ".join(problems))
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def _even_split(n: int, k: int) -> list[int]:
+    return [n // k + (1 if i < n % k else 0) for i in range(k)]

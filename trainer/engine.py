@@ -1,0 +1,156 @@
+"""Builds the DeepSpeed engine for a job: the DeepSpeed config, the optimizer, and either the
+pipeline engine (any PP, ZeRO 0/1) or the plain engine (PP = 1 with ZeRO 2/3).
+
+`TrainStep` hides the difference: one call runs one optimizer step over all micro-batches and
+returns the same metrics from either engine.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .config import JobConfig
+from .data import BatchPlan
+from .layout import ParallelLayout
+from .model import GPTSequential, build_pipeline
+from .schedule import warmup_cosine
+
+
+def deepspeed_config(cfg: JobConfig, dp: int) -> dict[str, Any]:
+    """The DeepSpeed JSON for this job at data-parallel degree `dp` (which may differ from the
+    configured one after an elastic reshape: the global batch is kept, accumulation recomputed).
+    A user's `train.deepspeed_config` file is merged over it, then checked again."""
+    t, p = cfg.train, cfg.parallel
+    gas = t.grad_accum(dp)
+    ds: dict[str, Any] = {
+        "train_batch_size": t.micro_batch_size * gas * dp,
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": t.grad_clip,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+        "zero_optimization": {"stage": p.zero_stage},
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": t.precision == "bf16"},
+        "fp16": {"enabled": t.precision == "fp16", "loss_scale": 0,
+                 "initial_scale_power": t.initial_scale_power,
+                 "loss_scale_window": t.loss_scale_window, "hysteresis": t.hysteresis,
+                 "min_loss_scale": t.min_loss_scale},
+    }
+    if t.precision == "bf16" and p.zero_stage == 1:
+        ds["data_types"] = {"grad_accum_dtype": "fp32"}  # fp32 master weights and accumulation
+    if t.deepspeed_config:
+        ds = _merge(ds, json.loads(Path(t.deepspeed_config).read_text()))
+    return ds
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def build_optimizer(model: torch.nn.Module, cfg: JobConfig,
+                    device: torch.device) -> torch.optim.Optimizer:
+    """AdamW; weight decay only on matrices (not biases, LayerNorm weights)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if name.endswith("weight") and p.dim() >= 2 else no_decay).append(p)
+    t = cfg.train
+    groups = [{"params": decay, "weight_decay": t.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    extra = {"fused": True} if device.type == "cuda" else {}
+    return torch.optim.AdamW(groups, lr=t.lr, betas=t.betas, eps=t.eps, **extra)
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float | None
+    lr: float
+    loss_scale: float | None
+    skipped: bool  # the optimizer step was not applied (fp16 overflow)
+    seconds: float
+
+
+class TrainStep:
+    """One optimizer step of the job, over this rank's micro-batches."""
+
+    def __init__(self, cfg: JobConfig, layout: ParallelLayout, device: torch.device) -> None:
+        import deepspeed
+
+        self.cfg, self.layout, self.device = cfg, layout, device
+        self.pipelined = cfg.parallel.zero_stage < 2
+        if self.pipelined:
+            model: torch.nn.Module = build_pipeline(cfg, layout.topology, layout.tp, device)
+        else:
+            with torch.device(device):
+                model = GPTSequential(cfg, layout.tp)
+        if cfg.train.precision == "bf16" and not self.pipelined:
+            model = model.to(torch.bfloat16)
+        optimizer = build_optimizer(model, cfg, device)
+        t = cfg.train
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=deepspeed_config(cfg, layout.dp_size),
+            lr_scheduler=warmup_cosine(t.warmup_steps, t.steps, t.min_lr_ratio),
+            mpu=layout.grid if not self.pipelined else None)
+        if cfg.train.compile:
+            self.engine.compile()
+        self.plan = BatchPlan(cfg, layout.dp_size, layout.dp_rank)
+
+    def _tensors(self, batch: tuple[Any, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = (torch.from_numpy(a) for a in batch)
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def run(self, step: int) -> StepResult:
+        """Trains on the batch of optimizer step `step` (0-based)."""
+        engine = self.engine
+        skipped_before = engine.skipped_steps
+        lr = float(engine.optimizer.param_groups[0]["lr"])  # the LR this step trains with
+        t0 = time.perf_counter()
+        if self.pipelined:
+            batches = (self._tensors(b) for b in self.plan.step_iterator(step))
+            loss = engine.train_batch(data_iter=batches).item()
+        else:
+            total = torch.zeros((), device=self.device)
+            for b in self.plan.step_iterator(step):
+                x, y = self._tensors(b)
+                micro_loss = engine(x, y)
+                engine.backward(micro_loss)
+                engine.step()
+                total += micro_loss.detach().float()
+            total /= self.plan.gas
+            dist.all_reduce(total, group=self.layout.grid.get_data_parallel_group())
+            loss = (total / self.layout.dp_size).item()
+        seconds = time.perf_counter() - t0
+        norm = engine.get_global_grad_norm()
+        return StepResult(
+            loss=loss,
+            grad_norm=float(norm) if norm is not None else None,
+            lr=lr,
+            loss_scale=_loss_scale(engine) if self.cfg.train.precision == "fp16" else None,
+            skipped=engine.skipped_steps > skipped_before,
+            seconds=seconds,
+        )
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.plan.global_batch * self.cfg.model.seq_len
+
+
+def _loss_scale(engine) -> float | None:
+    opt = engine.optimizer
+    for attr in ("cur_scale", "loss_scale"):
+        value = getattr(opt, attr, None)
+        if value is not None:
+            return float(value)
+    return None

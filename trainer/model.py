@@ -1,0 +1,185 @@
+"""The GPT as a DeepSpeed PipelineModule: a flat list of layer specs
+[Embedding, Block x n_layers, Head] that DeepSpeed cuts into pipeline stages.
+
+Each block is pre-LayerNorm: x + Attn(LN(x)), then x + MLP(LN(x)); attention is causal
+`scaled_dot_product_attention` (flash / memory-efficient kernels on GPU) with rotary positions;
+the MLP is GELU. QKV and FC1 are column-parallel, the attention output projection and FC2
+row-parallel, the embedding and the head vocabulary-parallel (see tensor_parallel.py).
+The embedding and head are untied (see ModelConfig).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from deepspeed.pipe import LayerSpec, PipelineModule
+from deepspeed.runtime import utils as ds_utils
+from torch import nn
+
+from .config import JobConfig, ModelConfig
+from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TPGroup,
+                              VocabParallelEmbedding, vocab_parallel_cross_entropy)
+
+
+def param_seed(base: int, layer: int, slot: int) -> int:
+    """A stable seed per (job seed, layer, parameter slot), independent of the layout."""
+    return (base * 1_000_003 + layer * 1_009 + slot) % (2**63)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding (RoFormer) applied to q and k of shape [b, h, s, hd]."""
+
+    def __init__(self, head_dim: int, seq_len: int, theta: float) -> None:
+        super().__init__()
+        inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv)  # [s, hd/2]
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = x.shape[-2]
+        cos, sin = self.cos[:s].to(x.dtype), self.sin[:s].to(x.dtype)
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+        return out.flatten(-2)
+
+
+class EmbeddingLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, seed: int) -> None:
+        super().__init__()
+        self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, tp,
+                                            param_seed(seed, 0, 0), cfg.init_std)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed(tokens)  # [b, s] -> [b, s, d]
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int, d_ff: int, tp: TPGroup, seed: int) -> None:
+        super().__init__()
+        d, layer = cfg.d_model, index + 1
+        self.n_local_heads = cfg.n_heads // tp.size
+        self.head_dim = d // cfg.n_heads
+        out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)  # GPT-2 residual scaling
+        self.ln1 = nn.LayerNorm(d, eps=cfg.norm_eps)
+        self.qkv = ColumnParallelLinear(d, 3 * d, tp, param_seed(seed, layer, 1), cfg.init_std,
+                                        groups=3)
+        self.proj = RowParallelLinear(d, d, tp, param_seed(seed, layer, 2), out_std)
+        self.ln2 = nn.LayerNorm(d, eps=cfg.norm_eps)
+        self.fc1 = ColumnParallelLinear(d, d_ff, tp, param_seed(seed, layer, 3), cfg.init_std)
+        self.fc2 = RowParallelLinear(d_ff, d, tp, param_seed(seed, layer, 4), out_std)
+        self.rotary = Rotary(self.head_dim, cfg.seq_len, cfg.rope_theta)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        qkv = self.qkv(self.ln1(x)).view(b, s, 3, self.n_local_heads, self.head_dim)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each [b, h_local, s, hd]
+        q, k = self.rotary(q), self.rotary(k)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        a = a.transpose(1, 2).reshape(b, s, self.n_local_heads * self.head_dim)
+        x = x + self.proj(a)
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class HeadLayer(nn.Module):
+    """Final LayerNorm and the vocabulary-parallel output projection: [b, s, d] -> [b, s, V/tp]."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, seed: int) -> None:
+        super().__init__()
+        self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.lm_head = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, tp,
+                                            param_seed(seed, cfg.n_layers + 1, 0), cfg.init_std,
+                                            bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))
+
+
+class VocabParallelLoss:
+    """`loss_fn(logits, labels)` for the last pipeline stage."""
+
+    def __init__(self, tp: TPGroup) -> None:
+        self.tp = tp
+        self.__name__ = "vocab_parallel_cross_entropy"
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, labels, self.tp)
+
+
+def layer_specs(cfg: ModelConfig, tp: TPGroup, seed: int) -> list[LayerSpec]:
+    specs = [LayerSpec(EmbeddingLayer, cfg, tp, seed)]
+    for i, d_ff in enumerate(cfg.block_ffn_widths()):
+        specs.append(LayerSpec(TransformerBlock, cfg, i, d_ff, tp, seed))
+    specs.append(LayerSpec(HeadLayer, cfg, tp, seed))
+    return specs
+
+
+def layer_param_counts(cfg: ModelConfig) -> list[int]:
+    """Parameters of each pipeline layer, computed, not built (building a 10B model on every
+    rank just to count it would cost minutes)."""
+    d, v = cfg.d_model, cfg.vocab_size
+    blocks = [4 * d * d + 4 * d + 2 * d * f + f + d + 4 * d for f in cfg.block_ffn_widths()]
+    return [v * d] + blocks + [d * v + 2 * d]
+
+
+def stage_boundaries(cfg: JobConfig) -> list[int]:
+    """Layer indices where each pipeline stage starts (plus the end), from the job's method:
+    explicit blocks per stage, uniform blocks per stage, or balanced parameter counts."""
+    p, n = cfg.parallel, cfg.model.n_layers
+    method = p.partition_method
+    if isinstance(method, list) or method == "uniform":
+        blocks = method if isinstance(method, list) else [n // p.pp] * p.pp
+        parts, acc = [0], 1
+        for count in blocks[:-1]:
+            acc += count
+            parts.append(acc)
+        return parts + [n + 2]
+    return ds_utils.partition_balanced(weights=layer_param_counts(cfg.model), num_parts=p.pp)
+
+
+class GPTPipeline(PipelineModule):
+    """PipelineModule whose stage boundaries are computed by ds3d (see `stage_boundaries`)."""
+
+    def __init__(self, specs: list[LayerSpec], parts: list[int], **kwargs) -> None:
+        object.__setattr__(self, "_ds3d_parts", parts)
+        super().__init__(specs, **kwargs)
+
+    def _partition_layers(self, method: str = "uniform") -> None:
+        self.parts = list(self._ds3d_parts)
+        stage = self._topo.get_coord(self.global_rank).pipe
+        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+
+def build_pipeline(cfg: JobConfig, topology, tp: TPGroup, device: torch.device) -> GPTPipeline:
+    """Builds only this rank's stage, with parameters created directly on `device`."""
+    with torch.device(device):
+        return GPTPipeline(
+            layer_specs(cfg.model, tp, cfg.train.seed),
+            parts=stage_boundaries(cfg),
+            topology=topology,
+            loss_fn=VocabParallelLoss(tp),
+            activation_checkpoint_interval=cfg.parallel.activation_checkpoint_interval,
+            # only blocks recompute: the embedding's input is integer tokens (no grad), and a
+            # checkpointed region without a grad-requiring input would cut the backward pass
+            checkpointable_layers=["TransformerBlock"],
+            partition_method="ds3d",
+        )
+
+
+class GPTSequential(nn.Module):
+    """The same layers without pipelining (PP = 1), for DeepSpeed's plain engine, which unlike
+    the pipeline engine accepts ZeRO-2/3. Parameter names match GPTPipeline's ("1.qkv.weight")."""
+
+    def __init__(self, cfg: JobConfig, tp: TPGroup) -> None:
+        super().__init__()
+        for i, spec in enumerate(layer_specs(cfg.model, tp, cfg.train.seed)):
+            self.add_module(str(i), spec.build())
+        self.loss_fn = VocabParallelLoss(tp)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = tokens
+        for layer in self.children():
+            x = layer(x)
+        return self.loss_fn(x, labels)

@@ -1,0 +1,92 @@
+"""Entry point of one training process (one rank), started by torch.distributed.elastic.
+
+    torchrun --nproc-per-node 4 -m ds3d.trainer.worker --run-dir RUN_DIR
+
+RUN_DIR/job.json holds the JobConfig (ds3dd writes it; `--config`/`--preset` write it for a run
+without the daemon). The rank, world size and restart count come from the elastic agent's
+environment (RANK, WORLD_SIZE, LOCAL_RANK, TORCHELASTIC_RESTART_COUNT).
+
+Exit codes: 0 = the job ended as asked (completed, paused, stopped); 2 = configuration refused
+(restarting would not help); anything else is a crash the agent may restart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import os
+import signal
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+from .config import JobConfig, build_job_config
+from .errors import Ds3dError
+
+EXIT_CONFIG = 2
+
+
+def _prepare_run_dir(args: argparse.Namespace) -> Path:
+    run_dir = Path(args.run_dir)
+    job_file = run_dir / "job.json"
+    if args.config:
+        cfg = build_job_config(args.config, args.set or [])
+        if int(os.environ.get("RANK", 0)) == 0 or not job_file.exists():
+            run_dir.mkdir(parents=True, exist_ok=True)
+            tmp = job_file.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(cfg.dump_json())
+            os.replace(tmp, job_file)
+    return run_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="ds3d-worker", description=__doc__.split("\n")[0])
+    ap.add_argument("--run-dir", required=True, help="job run directory (holds job.json)")
+    ap.add_argument("--config", help="preset or TOML; written to RUN_DIR/job.json first")
+    ap.add_argument("--set", action="append", help="override KEY=VALUE (with --config)")
+    ap.add_argument("--stop-at-step", type=int, help="end this run at step N with a checkpoint, "
+                    "as a pause would (a later run resumes from it)")
+    args = ap.parse_args(argv)
+
+    # Stacks of every thread on SIGUSR1 (the hang detector asks for them before killing).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+    from .layout import ProcessEnv
+
+    env = ProcessEnv.from_env()
+    from .logs import configure_logging
+
+    log = configure_logging(rank=env.rank, restart=env.restart_count)
+    try:
+        run_dir = _prepare_run_dir(args)
+        cfg = JobConfig.load_json(run_dir / "job.json")
+        return _train(cfg, run_dir, env, args.stop_at_step)
+    except Ds3dError as e:
+        log.error("refused", error=str(e))
+        print(f"ds3d-worker: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+
+
+def _train(cfg: JobConfig, run_dir: Path, env, stop_at_step: int | None) -> int:
+    from .layout import ParallelLayout, init_distributed, pick_device
+    from .loop import Trainer
+
+    import torch
+
+    torch.manual_seed(cfg.train.seed)
+    device = pick_device(cfg, env.local_rank)
+    init_distributed(device, timeout=timedelta(seconds=float(os.environ.get(
+        "DS3D_COLLECTIVE_TIMEOUT_S", 300))))
+    layout = ParallelLayout(cfg, env)
+    trainer = Trainer(cfg, run_dir, env, layout, device, stop_at_step)
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
