@@ -1,73 +1,180 @@
-"""Saving a DeepSpeed engine into the node-local tier, and loading it back.
+"""One worker's view of checkpoints: save without stalling, restore the newest complete one.
 
-Every rank writes its own shards (DeepSpeed's sharded format). A checkpoint directory counts as
-complete only once every rank has finished writing and rank 0 has written the completion marker
-after a barrier; DeepSpeed's own `latest` file is not written (it is not atomic, and a pointer
-must never be trusted over what is actually complete).
+Save (every rank): DeepSpeed's `save_checkpoint` writes this rank's shards through the
+`SnapshotCheckpointEngine`, which blocks only for the copy into host memory; the writer thread
+then puts the files into the node-local tier, and the `Uploader` hashes and uploads them and
+writes this rank's part manifest; rank 0's uploader commits the MANIFEST once all parts are in
+the store, then applies retention. The training thread never waits for any of that.
+
+Restore (collective, before the engine is built, because a changed layout needs DeepSpeed's
+`load_universal` switch at initialisation): rank 0 picks the newest committed checkpoint whose
+files verify (local copy first, otherwise downloaded and checked), every node's first rank makes
+the same step available locally, and when the saved (TP, PP, DP) differs from the current one
+the checkpoint is converted to DeepSpeed's universal format and loaded from there.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+import structlog
 import torch
 import torch.distributed as dist
 
-TAG_RE = re.compile(r"^global_step(\d+)$")
-COMPLETE_MARKER = "ds3d_complete.json"
+from ds3d.trainer.config import JobConfig
+from ds3d.trainer.errors import CheckpointError
+
+from .catalog import Catalog
+from .manifest import CheckpointMeta, Layout, Manifest
+from .reshape import check_reshapable, convert_to_universal, needs_reshape
+from .snapshot import SnapshotCheckpointEngine
+from .storage import Storage, join_url, open_storage
+from .upload import UploadEvent, Uploader
+
+log = structlog.get_logger("ds3d.checkpoints")
+
+Emit = Callable[..., None]
 
 
 def tag_for(step: int) -> str:
     return f"global_step{step}"
 
 
-def save_engine(engine, ckpt_dir: str | Path, step: int, client_state: dict[str, Any]) -> float:
-    """Writes the checkpoint of `step`; returns the seconds training was blocked."""
-    t0 = time.perf_counter()
-    ckpt_dir = Path(ckpt_dir)
-    tag = tag_for(step)
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        marker = ckpt_dir / tag / COMPLETE_MARKER
-        tmp = marker.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"step": step, "world_size": dist.get_world_size(),
-                                   "time": time.time()}))
-        os.replace(tmp, marker)
-    dist.barrier()
-    return time.perf_counter() - t0
+def job_store_url(cfg: JobConfig, run_dir: Path) -> str:
+    """The job's own prefix in the durable tier (the embedded default is a folder on this node)."""
+    root = cfg.checkpoint.store or f"file://{Path(run_dir).resolve()}/store"
+    return join_url(root, cfg.name)
 
 
-def complete_steps(ckpt_dir: str | Path) -> list[int]:
-    """Steps with a complete local checkpoint, oldest first."""
-    steps = []
-    root = Path(ckpt_dir)
-    if root.is_dir():
-        for child in root.iterdir():
-            m = TAG_RE.match(child.name)
-            if m and (child / COMPLETE_MARKER).is_file():
-                steps.append(int(m.group(1)))
-    return sorted(steps)
+@dataclass(frozen=True)
+class RestorePlan:
+    step: int
+    tag: str  # the DeepSpeed tag to load (`..._universal` after a layout change)
+    manifest: Manifest
+    universal: bool
 
 
-def agree_on_step(local_choice: int, device: torch.device) -> int:
-    """Rank 0's choice, broadcast so every rank loads the same checkpoint (-1 = none)."""
-    t = torch.tensor([local_choice], dtype=torch.long, device=device)
-    dist.broadcast(t, src=0)
-    return int(t.item())
+@dataclass(frozen=True)
+class Rank:
+    rank: int
+    world_size: int
+    local_rank: int
+    tp: int
+    pp: int
+    dp: int
 
 
-def load_engine(engine, ckpt_dir: str | Path, step: int) -> dict[str, Any]:
-    """Loads `step` into the engine (weights, optimizer, scheduler); returns the client state."""
-    path, client_state = engine.load_checkpoint(str(ckpt_dir), tag=tag_for(step),
-                                                load_optimizer_states=True,
-                                                load_lr_scheduler_states=True)
-    if path is None:
-        from ds3d.trainer.errors import CheckpointError
-        raise CheckpointError(f"DeepSpeed could not load checkpoint {tag_for(step)} from {ckpt_dir}")
-    return client_state or {}
+class CheckpointManager:
+    def __init__(self, cfg: JobConfig, run_dir: Path, me: Rank, device: torch.device,
+                 emit: Emit) -> None:
+        self.cfg, self.me, self.device, self.emit = cfg, me, device, emit
+        self.local_dir = Path(cfg.checkpoint.local_dir or Path(run_dir) / "ckpt")
+        self.local_dir.mkdir(parents=True, exist_ok=True)
+        self.storage: Storage = open_storage(job_store_url(cfg, run_dir))
+        self.catalog = Catalog(self.storage, self.local_dir)
+        self.uploader = Uploader(self.storage, self.local_dir, me.rank, me.world_size,
+                                 on_event=self._on_upload_event)
+        self.snapshot = SnapshotCheckpointEngine(on_durable=self._on_durable)
+        self._meta: dict[str, tuple[int, CheckpointMeta]] = {}
+        self.uploader.resume_pending()
+
+    # -- restore ------------------------------------------------------------------------------
+
+    def plan_restore(self) -> RestorePlan | None:
+        """Collective: every rank returns the same plan (or None for a fresh start)."""
+        found = None
+        if self.me.rank == 0:
+            found = self.catalog.newest_restorable(checksums=True, download=True)
+        step = self._broadcast(found.step if found else -1)
+        if step < 0:
+            return None
+        if self.me.local_rank == 0 and self.me.rank != 0:
+            found = self.catalog.newest_restorable(checksums=True, download=True)
+            if found is None or found.step != step:
+                raise CheckpointError(f"rank {self.me.rank}'s node cannot get checkpoint step "
+                                      f"{step} that rank 0 chose (it found "
+                                      f"{found.step if found else 'none'})")
+        manifest = self.catalog.load_manifest(step, local_only=True) if found is None else \
+            found.manifest
+        if manifest.model_hash and manifest.model_hash != self.cfg.model_hash():
+            raise CheckpointError(
+                f"checkpoint step {step} was saved by a different model architecture (hash "
+                f"{manifest.model_hash}, this job {self.cfg.model_hash()}); restore it with the "
+                "same [model] settings, or start a new job name / store")
+        saved = manifest.layout
+        me = self.me
+        universal = needs_reshape(saved, me.tp, me.pp, me.dp)
+        tag = manifest.tag
+        if universal:
+            check_reshapable(saved, me.tp, me.pp, me.dp, self.cfg.parallel.zero_stage)
+            if me.local_rank == 0:
+                t0 = time.perf_counter()
+                tag = convert_to_universal(self.local_dir, manifest.tag)
+                self.emit("checkpoint", step=step, phase="reshaped",
+                          detail=f"(tp,pp,dp) {saved.tp},{saved.pp},{saved.dp} -> "
+                                 f"{me.tp},{me.pp},{me.dp}", seconds=round(time.perf_counter() - t0, 3))
+            else:
+                tag = manifest.tag + "_universal"
+            dist.barrier()
+        return RestorePlan(step=step, tag=tag, manifest=manifest, universal=universal)
+
+    def load(self, engine, plan: RestorePlan) -> None:
+        engine.checkpoint_engine = self.snapshot
+        path, _ = engine.load_checkpoint(str(self.local_dir), tag=plan.tag,
+                                         load_optimizer_states=True, load_lr_scheduler_states=True)
+        if path is None:
+            raise CheckpointError(f"DeepSpeed could not load {plan.tag} from {self.local_dir}")
+
+    # -- save ---------------------------------------------------------------------------------
+
+    def save(self, engine, step: int, client_state: dict[str, Any], tokens_seen: int,
+             data_position: dict[str, Any]) -> float:
+        """Blocks only for the snapshot; returns the seconds training was blocked."""
+        engine.checkpoint_engine = self.snapshot
+        tag = tag_for(step)
+        me = self.me
+        self._meta[tag] = (step, CheckpointMeta(
+            job=self.cfg.name, tokens_seen=tokens_seen, tag=tag,
+            layout=Layout(tp=me.tp, pp=me.pp, dp=me.dp, world_size=me.world_size),
+            model_hash=self.cfg.model_hash(), data_position=data_position))
+        t0 = time.perf_counter()
+        engine.save_checkpoint(str(self.local_dir), tag=tag, client_state=client_state,
+                               save_latest=False)
+        return time.perf_counter() - t0
+
+    def _on_durable(self, tag: str, paths: list[str]) -> None:
+        """Writer thread: this rank's files of `tag` are on local disk; queue the upload."""
+        step, meta = self._meta.pop(tag)
+        files = sorted(os.path.relpath(p, self.local_dir) for p in paths)
+        self.uploader.submit(step, files, meta)
+
+    def _on_upload_event(self, ev: UploadEvent) -> None:
+        self.emit("checkpoint", step=ev.step, phase=ev.kind, seconds=round(ev.seconds, 3),
+                  detail=ev.detail)
+        if ev.kind == "committed":
+            c = self.cfg.checkpoint
+            deleted = self.catalog.apply_retention(c.keep_last, c.keep_every)
+            if deleted:
+                self.emit("checkpoint", step=ev.step, phase="retention", detail=f"deleted {deleted}")
+
+    def wait_uploads(self, timeout: float) -> bool:
+        """Waits for this rank's writes and uploads (the commit too, on rank 0)."""
+        self.snapshot.wait()
+        return self.uploader.wait(timeout)
+
+    def close(self, timeout: float = 600.0) -> None:
+        self.snapshot.wait()
+        self.uploader.wait(timeout)
+        self.uploader.close(timeout=10)
+        self.snapshot.close()
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _broadcast(self, value: int) -> int:
+        t = torch.tensor([value], dtype=torch.long, device=self.device)
+        dist.broadcast(t, src=0)
+        return int(t.item())

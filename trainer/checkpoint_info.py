@@ -13,10 +13,11 @@ from typing import Any
 
 from .config import JobConfig
 
-TP_REPLICATED = [r".*\.ln1\.", r".*\.ln2\.", r".*\.ln_f\.", r".*\.proj\.bias$", r".*\.fc2\.bias$",
-                 r"^ln1\.", r"^ln2\.", r"^ln_f\.", r"^proj\.bias$", r"^fc2\.bias$"]
-JOIN_ON_DIM_1 = [r"(.*\.)?qkv\.(weight|bias)$", r"(.*\.)?fc1\.(weight|bias)$",
-                 r"(.*\.)?proj\.weight$", r"(.*\.)?fc2\.weight$", r"(.*\.)?lm_head\.weight$"]
+# Parameter names as the converter sees them: "<layer index>.<name>", e.g. "3.qkv.weight".
+# DeepSpeed asserts that every pattern matches something, so none is speculative.
+TP_REPLICATED = [r".*\.ln1\.", r".*\.ln2\.", r".*\.ln_f\.", r".*\.proj\.bias$", r".*\.fc2\.bias$"]
+JOIN_ON_DIM_1 = [r".*\.qkv\.(weight|bias)$", r".*\.fc1\.(weight|bias)$", r".*\.proj\.weight$",
+                 r".*\.fc2\.weight$", r".*\.lm_head\.weight$"]
 
 
 def universal_checkpoint_info(cfg: JobConfig) -> dict[str, Any]:

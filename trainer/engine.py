@@ -23,7 +23,7 @@ from .model import GPTSequential, build_pipeline
 from .schedule import warmup_cosine
 
 
-def deepspeed_config(cfg: JobConfig, dp: int) -> dict[str, Any]:
+def deepspeed_config(cfg: JobConfig, dp: int, load_universal: bool = False) -> dict[str, Any]:
     """The DeepSpeed JSON for this job at data-parallel degree `dp` (which may differ from the
     configured one after an elastic reshape: the global batch is kept, accumulation recomputed).
     A user's `train.deepspeed_config` file is merged over it, then checked again."""
@@ -44,6 +44,8 @@ def deepspeed_config(cfg: JobConfig, dp: int) -> dict[str, Any]:
                  "loss_scale_window": t.loss_scale_window, "hysteresis": t.hysteresis,
                  "min_loss_scale": t.min_loss_scale},
     }
+    if load_universal:
+        ds["checkpoint"] = {"load_universal": True}
     if t.precision == "bf16" and p.zero_stage == 1:
         ds["data_types"] = {"grad_accum_dtype": "fp32"}  # fp32 master weights and accumulation
     if t.deepspeed_config:
@@ -85,7 +87,8 @@ class StepResult:
 class TrainStep:
     """One optimizer step of the job, over this rank's micro-batches."""
 
-    def __init__(self, cfg: JobConfig, layout: ParallelLayout, device: torch.device) -> None:
+    def __init__(self, cfg: JobConfig, layout: ParallelLayout, device: torch.device,
+                 load_universal: bool = False) -> None:
         import deepspeed
 
         self.cfg, self.layout, self.device = cfg, layout, device
@@ -100,7 +103,7 @@ class TrainStep:
         optimizer = build_optimizer(model, cfg, device)
         t = cfg.train
         self.engine, _, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, config=deepspeed_config(cfg, layout.dp_size),
+            model=model, optimizer=optimizer, config=deepspeed_config(cfg, layout.dp_size, load_universal),
             lr_scheduler=warmup_cosine(t.warmup_steps, t.steps, t.min_lr_ratio),
             mpu=layout.grid if not self.pipelined else None)
         if cfg.train.compile:

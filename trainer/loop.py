@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from ds3d.checkpoints import engine_io
+from ds3d.checkpoints.engine_io import CheckpointManager, Rank
 
 from .config import JobConfig
 from .engine import StepResult, TrainStep
@@ -50,53 +51,45 @@ class Trainer:
     def __init__(self, cfg: JobConfig, run_dir: Path, env: ProcessEnv, layout: ParallelLayout,
                  device: torch.device, stop_at_step: int | None = None) -> None:
         self.cfg, self.run_dir, self.env, self.layout, self.device = cfg, run_dir, env, layout, device
-        self.ckpt_dir = Path(cfg.checkpoint.local_dir or run_dir / "ckpt")
         self.reporter = Reporter(run_dir, env.rank, env.restart_count)
         self.inbox = CommandInbox(run_dir)
-        self.reporter.emit("heartbeat", step=0, phase="init")
-        self.step_fn = TrainStep(cfg, layout, device)
-        self.step = 0
-        self.tokens_seen = 0
-        self.saved_step = -1
         self.stop_at_step = stop_at_step
+        self.step, self.tokens_seen, self.saved_step = 0, 0, -1
+        self.reporter.emit("heartbeat", step=0, phase="init")
+        self.ckpt = CheckpointManager(
+            cfg, run_dir, Rank(env.rank, env.world_size, env.local_rank, layout.tp_size,
+                               layout.pp_size, layout.dp_size), device, self.reporter.emit)
+        plan = self.ckpt.plan_restore() if cfg.checkpoint.load else None
+        self.step_fn = TrainStep(cfg, layout, device, load_universal=bool(plan and plan.universal))
+        if plan is not None:
+            self.reporter.emit("heartbeat", step=plan.step, phase="load")
+            t0 = time.perf_counter()
+            self.ckpt.load(self.step_fn.engine, plan)
+            self.step = self.saved_step = plan.step
+            self.tokens_seen = plan.manifest.tokens_seen
+            log.info("resumed from checkpoint", step=plan.step, universal=plan.universal,
+                     seconds=round(time.perf_counter() - t0, 3))
 
     # -- checkpoints --------------------------------------------------------------------------
 
     def client_state(self) -> dict[str, Any]:
         from .checkpoint_info import universal_checkpoint_info
 
-        return {
-            "iteration": self.step,
-            "ds3d": {"step": self.step, "tokens_seen": self.tokens_seen,
-                     "skip_batches": [list(w) for w in self.cfg.data.skip_batches],
-                     "model_hash": self.cfg.model_hash(), "layout": self.layout.describe()},
-            "universal_checkpoint_info": universal_checkpoint_info(self.cfg),
-        }
+        return {"iteration": self.step,
+                "ds3d": {"step": self.step, "tokens_seen": self.tokens_seen},
+                "universal_checkpoint_info": universal_checkpoint_info(self.cfg)}
 
     def save(self) -> None:
         if self.step == self.saved_step:
             return
         self.reporter.emit("heartbeat", step=self.step, phase="save")
-        blocked = engine_io.save_engine(self.step_fn.engine, self.ckpt_dir, self.step,
-                                        self.client_state())
-        self.reporter.emit("checkpoint", step=self.step, phase="saved", blocked_s=round(blocked, 4),
-                           path=str(self.ckpt_dir / engine_io.tag_for(self.step)))
+        position = {"step": self.step,
+                    "skip_batches": [list(w) for w in self.cfg.data.skip_batches]}
+        blocked = self.ckpt.save(self.step_fn.engine, self.step, self.client_state(),
+                                 self.tokens_seen, position)
         self.saved_step = self.step
+        self.reporter.emit("checkpoint", step=self.step, phase="saved", blocked_s=round(blocked, 4))
         log.info("checkpoint saved", step=self.step, blocked_s=round(blocked, 3))
-
-    def restore(self) -> None:
-        if not self.cfg.checkpoint.load:
-            return
-        steps = engine_io.complete_steps(self.ckpt_dir) if self.env.rank == 0 else []
-        step = engine_io.agree_on_step(steps[-1] if steps else -1, self.device)
-        if step < 0:
-            return
-        self.reporter.emit("heartbeat", step=step, phase="load")
-        state = engine_io.load_engine(self.step_fn.engine, self.ckpt_dir, step)
-        ds3d = state.get("ds3d", {})
-        self.step = self.saved_step = int(ds3d.get("step", step))
-        self.tokens_seen = int(ds3d.get("tokens_seen", self.step * self.step_fn.tokens_per_step))
-        log.info("resumed from checkpoint", step=self.step)
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -131,7 +124,6 @@ class Trainer:
 
     def run(self) -> str:
         """Trains to the configured step count; returns why it ended."""
-        self.restore()
         steps, interval = self.cfg.train.steps, self.cfg.checkpoint.interval
         first = self.step
         self.reporter.emit("start", step=first, device=str(self.device), **self.layout.describe())
@@ -165,4 +157,6 @@ class Trainer:
         return reason
 
     def close(self) -> None:
+        """Waits for the last checkpoint's upload (and commit) before the process may exit."""
+        self.ckpt.close()
         self.reporter.close()

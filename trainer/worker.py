@@ -26,17 +26,20 @@ from .errors import Ds3dError
 EXIT_CONFIG = 2
 
 
-def _prepare_run_dir(args: argparse.Namespace) -> Path:
+def _load_config(args: argparse.Namespace, rank: int) -> tuple[JobConfig, Path]:
+    """With --config every rank builds the same config itself (no rank reads a file another is
+    still writing); rank 0 records it as RUN_DIR/job.json. Otherwise job.json is the source."""
     run_dir = Path(args.run_dir)
     job_file = run_dir / "job.json"
-    if args.config:
-        cfg = build_job_config(args.config, args.set or [])
-        if int(os.environ.get("RANK", 0)) == 0 or not job_file.exists():
-            run_dir.mkdir(parents=True, exist_ok=True)
-            tmp = job_file.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(cfg.dump_json())
-            os.replace(tmp, job_file)
-    return run_dir
+    if not args.config:
+        return JobConfig.load_json(job_file), run_dir
+    cfg = build_job_config(args.config, args.set or [])
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = job_file.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(cfg.dump_json())
+        os.replace(tmp, job_file)
+    return cfg, run_dir
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,8 +61,7 @@ def main(argv: list[str] | None = None) -> int:
 
     log = configure_logging(rank=env.rank, restart=env.restart_count)
     try:
-        run_dir = _prepare_run_dir(args)
-        cfg = JobConfig.load_json(run_dir / "job.json")
+        cfg, run_dir = _load_config(args, env.rank)
         return _train(cfg, run_dir, env, args.stop_at_step)
     except Ds3dError as e:
         log.error("refused", error=str(e))

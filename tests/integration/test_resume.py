@@ -16,7 +16,7 @@ def test_resume_reproduces_uninterrupted_losses(tmp_path):
     torchrun(split, 4, sets=SETS, extra=["--stop-at-step", "5"])
     first = losses(split)
     assert sorted(first) == [1, 2, 3, 4, 5]
-    assert (split / "ckpt" / "global_step5" / "ds3d_complete.json").is_file()
+    assert (split / "store" / "tiny" / "ckpt" / "step-00000005" / "MANIFEST.json").is_file()
     torchrun(split, 4, sets=SETS)  # a fresh process group loads step 5 and continues
     start = [r for r in records(split, 0, "start")]
     assert [r["step"] for r in start] == [0, 5]

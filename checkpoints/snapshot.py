@@ -1,0 +1,143 @@
+"""A DeepSpeed checkpoint engine that blocks training only for a copy to host memory.
+
+DeepSpeed's default engine calls `torch.save` on the training thread: serialisation and disk
+writes (25-34 s for a 20 GB state on an H200, see FIELD-NOTES) stall every rank. Here `save()`
+copies each tensor into host memory (pinned on GPU, so the device-to-host copy runs at full
+bandwidth; the buffers are kept and reused by the next save, so memory stays bounded at one
+host copy of this rank's state) and hands the copy to a writer thread that serialises it to the
+node-local tier (temp file, fsync, rename). The copy must finish before the call returns: the
+next optimizer step mutates the tensors in place (DCP's async_save once captured post-step
+values, pytorch#144657).
+
+A save that arrives while the previous one is still being written waits for that write first
+(the host buffers are in use): saves are serialised, never overlapped, never coalesced away.
+`on_durable(tag, paths)` is called on the writer thread when all files of a tag are on disk; it
+must not use collectives (no process group is shared with the training thread).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (CheckpointCommitInfo,
+                                                                   CheckpointEngine)
+
+DurableCallback = Callable[[str, list[str]], None]
+
+
+class SnapshotCheckpointEngine(CheckpointEngine):
+    def __init__(self, on_durable: DurableCallback | None = None) -> None:
+        super().__init__()
+        self.name = "ds3d-snapshot"
+        self.on_durable = on_durable
+        self._jobs: queue.Queue[tuple[str, Any, Any]] = queue.Queue()
+        self._buffers: dict[tuple[str, int], torch.Tensor] = {}
+        self._paths: list[str] = []
+        self._error: BaseException | None = None
+        self.copy_seconds = 0.0  # time of the last save's host copies (the blocked part)
+        self._thread = threading.Thread(target=self._write_loop, name="ckpt-writer", daemon=True)
+        self._thread.start()
+
+    # -- DeepSpeed's interface (training thread) -----------------------------------------------
+
+    def create(self, info: CheckpointCommitInfo) -> None:
+        self.wait()  # the previous snapshot's buffers are free again
+        self._raise_pending_error()
+        self._paths = []
+        self.copy_seconds = 0.0
+
+    def save(self, state_dict: Any, path: str) -> None:
+        t0 = time.perf_counter()
+        counter = [0]
+        snapshot = self._to_host(state_dict, os.path.basename(path), counter)
+        if any(t.is_pinned() for t in self._buffers.values()):
+            torch.cuda.current_stream().synchronize()  # the non-blocking copies have landed
+        self.copy_seconds += time.perf_counter() - t0
+        self._paths.append(path)
+        self._jobs.put(("write", snapshot, path))
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        self.wait()
+        return torch.load(path, map_location=map_location, weights_only=False)
+
+    def commit(self, info: CheckpointCommitInfo) -> bool:
+        self._jobs.put(("commit", info.tag, list(self._paths)))
+        return True
+
+    def preserves_storage_sharing(self) -> bool:
+        return False  # each tensor is copied alone, as DeepSpeed's clone-before-save does
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        os.makedirs(path, exist_ok=exist_ok)
+
+    # -- ours -----------------------------------------------------------------------------------
+
+    def wait(self) -> None:
+        """Blocks until every queued write and commit is done."""
+        self._jobs.join()
+
+    def close(self) -> None:
+        self.wait()
+        self._jobs.put(("stop", None, None))
+        self._thread.join(timeout=60)
+        self._raise_pending_error()
+
+    def _raise_pending_error(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError(f"background checkpoint write failed: {err}") from err
+
+    def _to_host(self, obj: Any, name: str, counter: list[int]) -> Any:
+        if isinstance(obj, torch.Tensor):
+            key = (name, counter[0])
+            counter[0] += 1
+            return self._copy(obj, key)
+        if isinstance(obj, dict):
+            return type(obj)((k, self._to_host(v, name, counter)) for k, v in obj.items())
+        if isinstance(obj, list):
+            return [self._to_host(v, name, counter) for v in obj]
+        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+            return tuple(self._to_host(v, name, counter) for v in obj)
+        return obj
+
+    def _copy(self, t: torch.Tensor, key: tuple[str, int]) -> torch.Tensor:
+        t = t.detach()
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            pin = t.device.type == "cuda"
+            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+            self._buffers[key] = buf
+        buf.copy_(t, non_blocking=buf.is_pinned())
+        return buf
+
+    # -- writer thread --------------------------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        while True:
+            kind, a, b = self._jobs.get()
+            try:
+                if kind == "stop":
+                    return
+                if kind == "write":
+                    _atomic_save(a, b)
+                elif kind == "commit" and self.on_durable is not None:
+                    self.on_durable(a, b)
+            except BaseException as e:  # surfaced on the next save or at close
+                self._error = e
+            finally:
+                self._jobs.task_done()
+
+
+def _atomic_save(obj: Any, path: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as fh:
+        torch.save(obj, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
