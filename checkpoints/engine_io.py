@@ -84,16 +84,23 @@ class CheckpointManager:
 
     # -- restore ------------------------------------------------------------------------------
 
-    def plan_restore(self) -> RestorePlan | None:
-        """Collective: every rank returns the same plan (or None for a fresh start)."""
+    def plan_restore(self, rollback_to: int | None = None) -> RestorePlan | None:
+        """Collective: every rank returns the same plan (or None for a fresh start).
+        `rollback_to` asks for that exact step instead of the newest (CheckpointError if it is
+        not restorable)."""
         found = None
         if self.me.rank == 0:
-            found = self.catalog.newest_restorable(checksums=True, download=True)
+            found = self.catalog.newest_restorable(checksums=True, download=True,
+                                                   only_step=rollback_to)
         step = self._broadcast(found.step if found else -1)
         if step < 0:
+            if rollback_to is not None:
+                raise CheckpointError(f"cannot roll back to step {rollback_to}: no complete, "
+                                      "verified checkpoint of that step (see `ds3dctl "
+                                      "checkpoints`)")
             return None
         if self.me.local_rank == 0 and self.me.rank != 0:
-            found = self.catalog.newest_restorable(checksums=True, download=True)
+            found = self.catalog.newest_restorable(checksums=True, download=True, only_step=step)
             if found is None or found.step != step:
                 raise CheckpointError(f"rank {self.me.rank}'s node cannot get checkpoint step "
                                       f"{step} that rank 0 chose (it found "
@@ -121,6 +128,16 @@ class CheckpointManager:
                 tag = manifest.tag + "_universal"
             dist.barrier()
         return RestorePlan(step=step, tag=tag, manifest=manifest, universal=universal)
+
+    def drop_newer_than(self, step: int) -> list[int]:
+        """After a rollback: checkpoints newer than `step` belong to an abandoned timeline and
+        would be restored by the next automatic restart; rank 0 deletes them."""
+        if self.me.rank != 0:
+            return []
+        newer = [c.step for c in self.catalog.list() if c.step > step]
+        for s in newer:
+            self.catalog.delete(s, force=True)
+        return newer
 
     def load(self, engine, plan: RestorePlan) -> None:
         engine.checkpoint_engine = self.snapshot

@@ -38,7 +38,7 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         self.on_durable = on_durable
         self._jobs: queue.Queue[tuple[str, Any, Any]] = queue.Queue()
         self._buffers: dict[tuple[str, int], torch.Tensor] = {}
-        self._paths: list[str] = []
+        self._staged: list[tuple[Any, str]] = []
         self._error: BaseException | None = None
         self.copy_seconds = 0.0  # time of the last save's host copies (the blocked part)
         self._thread = threading.Thread(target=self._write_loop, name="ckpt-writer", daemon=True)
@@ -49,7 +49,7 @@ class SnapshotCheckpointEngine(CheckpointEngine):
     def create(self, info: CheckpointCommitInfo) -> None:
         self.wait()  # the previous snapshot's buffers are free again
         self._raise_pending_error()
-        self._paths = []
+        self._staged = []
         self.copy_seconds = 0.0
 
     def save(self, state_dict: Any, path: str) -> None:
@@ -59,15 +59,20 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         if any(t.is_pinned() for t in self._buffers.values()):
             torch.cuda.current_stream().synchronize()  # the non-blocking copies have landed
         self.copy_seconds += time.perf_counter() - t0
-        self._paths.append(path)
-        self._jobs.put(("write", snapshot, path))
+        # written only after commit(): a writer pickling on another thread meanwhile would
+        # compete with these copies for the GIL and the memory bus
+        self._staged.append((snapshot, path))
 
     def load(self, path: str, map_location: Any = None) -> Any:
         self.wait()
         return torch.load(path, map_location=map_location, weights_only=False)
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
-        self._jobs.put(("commit", info.tag, list(self._paths)))
+        paths = [path for _, path in self._staged]
+        for snapshot, path in self._staged:
+            self._jobs.put(("write", snapshot, path))
+        self._staged = []
+        self._jobs.put(("commit", info.tag, paths))
         return True
 
     def preserves_storage_sharing(self) -> bool:

@@ -21,7 +21,8 @@ def worker_env(**extra: str) -> dict[str, str]:
 
 
 def torchrun(run_dir: Path, nproc: int, config: str = "tiny", sets: list[str] | None = None,
-             extra: list[str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+             extra: list[str] | None = None, timeout: float = 300,
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Runs one job to its end under torchrun --standalone (c10d rendezvous on a free port)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", "-m", "ds3d.trainer.worker", "--run-dir", str(run_dir),
@@ -30,7 +31,8 @@ def torchrun(run_dir: Path, nproc: int, config: str = "tiny", sets: list[str] | 
         cmd += ["--set", s]
     cmd += extra or []
     run_dir.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, env=worker_env(**(env or {})), capture_output=True, text=True,
+                          timeout=timeout)
     (run_dir / "torchrun.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         raise AssertionError(f"torchrun exited {proc.returncode}:\n{proc.stderr[-4000:]}")

@@ -59,16 +59,40 @@ class Trainer:
         self.ckpt = CheckpointManager(
             cfg, run_dir, Rank(env.rank, env.world_size, env.local_rank, layout.tp_size,
                                layout.pp_size, layout.dp_size), device, self.reporter.emit)
-        plan = self.ckpt.plan_restore() if cfg.checkpoint.load else None
+        rollback = self._read_rollback() if env.rank == 0 else None
+        plan = self.ckpt.plan_restore(rollback) if cfg.checkpoint.load else None
         self.step_fn = TrainStep(cfg, layout, device, load_universal=bool(plan and plan.universal))
         if plan is not None:
-            self.reporter.emit("heartbeat", step=plan.step, phase="load")
-            t0 = time.perf_counter()
-            self.ckpt.load(self.step_fn.engine, plan)
-            self.step = self.saved_step = plan.step
-            self.tokens_seen = plan.manifest.tokens_seen
-            log.info("resumed from checkpoint", step=plan.step, universal=plan.universal,
-                     seconds=round(time.perf_counter() - t0, 3))
+            self._load(plan, rollback)
+
+    def _read_rollback(self) -> int | None:
+        """`control/restore.json` {"step": N}: the daemon's rollback request for this start."""
+        try:
+            return int(json.loads((self.run_dir / "control" / "restore.json").read_text())["step"])
+        except (FileNotFoundError, json.JSONDecodeError, KeyError, ValueError):
+            return None
+
+    def _load(self, plan, rollback: int | None) -> None:
+        self.reporter.emit("heartbeat", step=plan.step, phase="load")
+        t0 = time.perf_counter()
+        self.ckpt.load(self.step_fn.engine, plan)
+        self.step = self.saved_step = plan.step
+        self.tokens_seen = plan.manifest.tokens_seen
+        # windows skipped by NaN recovery before the checkpoint stay skipped after it
+        saved_skips = [tuple(w) for w in plan.manifest.data_position.get("skip_batches", [])]
+        merged = sorted(set(self.cfg.data.skip_batches) | set(saved_skips))
+        if merged != sorted(self.cfg.data.skip_batches):
+            self.cfg.data.skip_batches = merged  # the batch plan reads this same config
+        seconds = round(time.perf_counter() - t0, 3)
+        self.reporter.emit("checkpoint", step=plan.step, phase="loaded", seconds=seconds,
+                           universal=plan.universal)
+        if rollback is not None:
+            dropped = self.ckpt.drop_newer_than(plan.step)
+            (self.run_dir / "control" / "restore.json").unlink(missing_ok=True)
+            self.reporter.emit("checkpoint", step=plan.step, phase="rolled_back",
+                               detail=f"deleted newer checkpoints {dropped}")
+        log.info("resumed from checkpoint", step=plan.step, universal=plan.universal,
+                 seconds=seconds)
 
     # -- checkpoints --------------------------------------------------------------------------
 

@@ -1,0 +1,167 @@
+"""Checkpoint cost, measured against baselines in the same run (CPU, gloo, one rank).
+
+For each model (the `tiny` preset and a ~34M-parameter CPU model):
+  * blocked time of a save: DeepSpeed's synchronous `engine.save_checkpoint` (its default
+    TorchCheckpointEngine) vs ds3d's snapshot save (training resumes after the host copy);
+    also the time until ds3d's checkpoint is committed in the store (upload + manifest);
+  * upload throughput of the checkpoint's files to a real S3 server (moto_server on loopback):
+    one boto3 `upload_file` per file, single-threaded, vs ds3d's S3Storage (transfer manager,
+    parallel multipart).
+
+    python -m torch.distributed.run --standalone --nproc-per-node 1 bench/checkpoint_bench.py \
+        --out bench/results/checkpoint.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import boto3
+import torch
+from boto3.s3.transfer import TransferConfig
+
+from ds3d.checkpoints.engine_io import CheckpointManager, Rank
+from ds3d.checkpoints.storage import open_storage
+from ds3d.trainer.config import build_job_config
+from ds3d.trainer.engine import TrainStep
+from ds3d.trainer.layout import ParallelLayout, ProcessEnv, init_distributed
+
+MODELS = {
+    "tiny": [],
+    "cpu-34m": ["model.vocab_size=8192", "model.d_model=512", "model.n_layers=8",
+                "model.n_heads=8", "model.seq_len=128", "train.micro_batch_size=2",
+                "train.global_batch_size=2"],
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_moto() -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    exe = Path(sys.executable).with_name("moto_server")
+    proc = subprocess.Popen([str(exe), "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(100):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return proc, url
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError("moto_server did not start")
+
+
+def bench_model(name: str, sets: list[str], work: Path, endpoint: str, repeats: int) -> dict:
+    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
+                      AWS_DEFAULT_REGION="us-east-1", AWS_ENDPOINT_URL=endpoint)
+    s3 = boto3.client("s3", endpoint_url=endpoint)
+    bucket = f"bench-{name}"
+    s3.create_bucket(Bucket=bucket)
+    cfg = build_job_config("tiny", sets + [f'checkpoint.store="s3://{bucket}/ds3d"',
+                                           "checkpoint.keep_last=100"], name=name)
+    env = ProcessEnv.from_env()
+    layout = ParallelLayout(cfg, env)
+    device = torch.device("cpu")
+    run_dir = work / name
+    step_fn = TrainStep(cfg, layout, device)
+    engine = step_fn.engine
+    ckpt = CheckpointManager(cfg, run_dir, Rank(0, 1, 0, 1, 1, 1), device, lambda *a, **k: None)
+    n_params = sum(p.numel() for p in engine.module.parameters())
+
+    sync_blocked, ours_blocked, ours_durable, ours_copy = [], [], [], []
+    step = 0
+    for i in range(repeats):
+        step_fn.run(step)
+        step += 1
+        # baseline: DeepSpeed's own synchronous save (its default checkpoint engine)
+        from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import \
+            TorchCheckpointEngine
+        engine.checkpoint_engine = TorchCheckpointEngine()
+        t0 = time.perf_counter()
+        engine.save_checkpoint(str(work / f"{name}-sync"), tag=f"sync{i}", save_latest=False)
+        sync_blocked.append(time.perf_counter() - t0)
+        step_fn.run(step)
+        step += 1
+        t0 = time.perf_counter()
+        blocked = ckpt.save(engine, step, {"iteration": step}, step, {"step": step})
+        ours_blocked.append(blocked)
+        ours_copy.append(ckpt.snapshot.copy_seconds)
+        ckpt.wait_uploads(600)
+        ours_durable.append(time.perf_counter() - t0)
+    ckpt.close()
+
+    # upload throughput on the same files: single-threaded upload_file per file vs S3Storage
+    tag_dir = run_dir / "ckpt" / f"global_step{step}"
+    files = sorted(p for p in tag_dir.rglob("*") if p.is_file())
+    total = sum(p.stat().st_size for p in files)
+    single = TransferConfig(use_threads=False, multipart_threshold=8 << 30)
+    t0 = time.perf_counter()
+    for p in files:
+        s3.upload_file(str(p), bucket, f"baseline/{p.name}", Config=single)
+    base_s = time.perf_counter() - t0
+    storage = open_storage(f"s3://{bucket}/ours")
+    t0 = time.perf_counter()
+    for p in files:
+        storage.put_file(p, p.name)
+    ours_s = time.perf_counter() - t0
+    state_bytes = sum(p.stat().st_size for p in (work / f"{name}-sync" / "sync0").rglob("*")
+                      if p.is_file())
+    return {
+        "model": name, "parameters": n_params, "checkpoint_bytes": state_bytes,
+        "saves": repeats,
+        "sync_save_blocked_s": statistics.median(sync_blocked),
+        "ds3d_blocked_s": statistics.median(ours_blocked),
+        "ds3d_host_copy_s": statistics.median(ours_copy),
+        "ds3d_time_to_committed_s": statistics.median(ours_durable),
+        "blocked_ratio_vs_sync": statistics.median(ours_blocked) / statistics.median(sync_blocked),
+        "upload_bytes": total,
+        "upload_single_upload_file_MiBps": total / base_s / 2**20,
+        "upload_ds3d_MiBps": total / ours_s / 2**20,
+        "upload_speedup": base_s / ours_s,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results/checkpoint.json")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    init_distributed(torch.device("cpu"), timeout=__import__("datetime").timedelta(minutes=5))
+    moto, endpoint = start_moto()
+    work = Path(tempfile.mkdtemp(prefix="ds3d-ckpt-bench-"))
+    try:
+        results = [bench_model(n, s, work, endpoint, args.repeats) for n, s in MODELS.items()]
+    finally:
+        moto.terminate()
+        shutil.rmtree(work, ignore_errors=True)
+    report = {"date": time.strftime("%Y-%m-%d"), "host": socket.gethostname(),
+              "cpus": os.cpu_count(), "torch": torch.__version__,
+              "deepspeed": __import__("deepspeed").__version__, "results": results}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"{'model':10} {'params':>10} {'ckpt MB':>8} {'sync s':>8} {'ds3d s':>8} {'ratio':>6} "
+          f"{'commit s':>8} {'up base':>8} {'up ds3d':>8}")
+    for r in results:
+        print(f"{r['model']:10} {r['parameters']:>10} {r['checkpoint_bytes'] / 1e6:>8.1f} "
+              f"{r['sync_save_blocked_s']:>8.3f} {r['ds3d_blocked_s']:>8.3f} "
+              f"{r['blocked_ratio_vs_sync']:>6.2f} {r['ds3d_time_to_committed_s']:>8.2f} "
+              f"{r['upload_single_upload_file_MiBps']:>8.1f} {r['upload_ds3d_MiBps']:>8.1f}")
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,337 @@
+"""What checkpoints a job has, which one to restore from, and which to delete.
+
+The catalog reads the store (manifests, parts, file listing) and the local tier (DeepSpeed's tag
+folders and ds3d's markers) and never trusts anything but a manifest whose files are all there:
+a step without MANIFEST is `uploading` (or an abandoned partial upload) and is never restored;
+a manifest whose files are missing, short, or fail their sha256 is `corrupt` and is skipped
+with a logged `checkpoint_skipped` event, falling back to the next older one.
+"""
+
+from __future__ import annotations
+
+import builtins
+import os
+import re
+import shutil
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Literal
+
+import structlog
+from pydantic import ValidationError
+
+from ds3d.trainer.errors import CheckpointError, NotFoundError, StateError, TransientStorageError
+
+from . import layout
+from .manifest import FileEntry, Manifest, hash_file, save_local_manifest
+from .retention import plan_retention
+from .storage import Storage
+from .upload import read_marker
+
+log = structlog.get_logger("ds3d.checkpoints.catalog")
+
+_TAG_RE = re.compile(r"^global_step(\d+)$")
+_STEP_DIR_RE = re.compile(r"^step-(\d{8,})$")
+
+
+class CkptState(StrEnum):
+    LOCAL = "local"            # only in the local tier (not uploaded, or its upload failed)
+    UPLOADING = "uploading"    # some objects in the store, no MANIFEST yet (or never: a crash)
+    COMMITTED = "committed"    # MANIFEST present and every file present with its size
+    CORRUPT = "corrupt"        # MANIFEST unreadable, or files missing / of the wrong size
+
+
+@dataclass
+class CheckpointInfo:
+    step: int
+    state: CkptState
+    size: int
+    time: float | None
+    in_store: bool
+    in_local: bool
+    manifest: Manifest | None = None
+    problems: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Restorable:
+    step: int
+    manifest: Manifest
+    local_dir: Path
+    source: Literal["local", "downloaded"]
+
+
+class Catalog:
+    def __init__(self, storage: Storage | None, local_dir: str | Path | None) -> None:
+        if storage is None and local_dir is None:
+            raise ValueError("a catalog needs a store, a local folder, or both")
+        self.storage = storage
+        self.local_dir = Path(local_dir) if local_dir is not None else None
+
+    # -- listing ----------------------------------------------------------------------------
+
+    def _store_objects(self) -> dict[int, dict[str, int]]:
+        by_step: dict[int, dict[str, int]] = {}
+        if self.storage is None:
+            return by_step
+        for obj in self.storage.list(layout.CKPT_ROOT):
+            step = layout.step_of_key(obj.key)
+            if step is not None:
+                by_step.setdefault(step, {})[obj.key] = obj.size
+        return by_step
+
+    def load_manifest(self, step: int, local_only: bool = False) -> Manifest:
+        """The committed manifest of a step (store first, else the local copy). Raises
+        NotFoundError when there is none, CheckpointError when it is unreadable."""
+        try:
+            if self.storage is None or local_only:
+                raise NotFoundError("no store")
+            data = self.storage.get_bytes(layout.manifest_key(step))
+        except NotFoundError:
+            if self.local_dir is None:
+                raise NotFoundError(f"no committed checkpoint at step {step}") from None
+            path = layout.local_manifest_path(self.local_dir, step)
+            if not path.is_file():
+                raise NotFoundError(f"no committed checkpoint at step {step}") from None
+            data = path.read_bytes()
+        try:
+            return Manifest.from_json(data)
+        except ValidationError as e:
+            raise CheckpointError(f"step {step}: MANIFEST is unreadable ({e.error_count()} "
+                                  "errors); the checkpoint is corrupt") from None
+
+    def _local_steps(self) -> dict[int, float]:
+        """Steps with something in the local tier -> newest modification time."""
+        out: dict[int, float] = {}
+        if self.local_dir is None or not self.local_dir.is_dir():
+            return out
+        for entry in self.local_dir.iterdir():
+            if m := _TAG_RE.match(entry.name):
+                out[int(m.group(1))] = max(out.get(int(m.group(1)), 0.0), entry.stat().st_mtime)
+        state = self.local_dir / layout.LOCAL_STATE_DIR
+        if state.is_dir():
+            for entry in state.iterdir():
+                if m := _STEP_DIR_RE.match(entry.name):
+                    out[int(m.group(1))] = max(out.get(int(m.group(1)), 0.0), entry.stat().st_mtime)
+        return out
+
+    def _local_size(self, step: int) -> int:
+        assert self.local_dir is not None
+        total = 0
+        for dirpath, _dirs, names in os.walk(self.local_dir / self._local_tag(step)):
+            total += sum((Path(dirpath) / n).stat().st_size for n in names)
+        return total
+
+    def _local_tag(self, step: int) -> str:
+        """The tag folder of a local step (from a marker's metadata, else DeepSpeed's default)."""
+        if self.local_dir is not None:
+            for marker in layout.local_state_dir(self.local_dir, step).glob("rank-*.json"):
+                rec = read_marker(marker)
+                if rec and rec.get("meta"):
+                    return str(rec["meta"]["tag"])
+        return layout.default_tag(step)
+
+    def list(self) -> list[CheckpointInfo]:
+        """Every step found in the store or the local tier, ascending, with its state."""
+        store = self._store_objects()
+        local = self._local_steps()
+        out = []
+        for step in sorted(set(store) | set(local)):
+            objects = store.get(step, {})
+            info = CheckpointInfo(step, CkptState.LOCAL, 0, local.get(step), bool(objects),
+                                  step in local)
+            if layout.manifest_key(step) in objects:
+                try:
+                    info.manifest = self.load_manifest(step)
+                except CheckpointError as e:
+                    info.state, info.problems = CkptState.CORRUPT, [str(e)]
+                else:
+                    info.problems = _size_problems(step, info.manifest, objects)
+                    info.state = CkptState.CORRUPT if info.problems else CkptState.COMMITTED
+                    info.size, info.time = info.manifest.total_size, info.manifest.created
+            elif objects:
+                info.state = CkptState.UPLOADING
+                info.size = sum(s for k, s in objects.items() if "/files/" in k)
+            if info.state in (CkptState.LOCAL, CkptState.UPLOADING) and step in local:
+                info.size = max(info.size, self._local_size(step))
+            out.append(info)
+        return out
+
+    # -- verification ---------------------------------------------------------------------
+
+    def verify(self, step: int, checksums: bool = False) -> builtins.list[str]:
+        """Problems of a committed checkpoint in the store (empty = good). Sizes come from one
+        listing (no download); `checksums` downloads each file to a scratch folder and hashes it."""
+        if self.storage is None:
+            raise StateError("verify needs a store")
+        manifest = self.load_manifest(step)
+        objects = {o.key: o.size for o in self.storage.list(layout.files_prefix(step))}
+        problems = _size_problems(step, manifest, objects)
+        if checksums and not problems:
+            scratch = self._scratch(step, "verify")
+            try:
+                for entry in manifest.files:
+                    tmp = scratch / "f"
+                    self.storage.get_file(layout.file_key(step, entry.path), tmp)
+                    if hash_file(tmp) != entry.sha256:
+                        problems.append(f"{entry.path}: sha256 differs from the manifest")
+                    tmp.unlink()
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+        return problems
+
+    def _scratch(self, step: int, what: str) -> Path:
+        base = (self.local_dir / layout.LOCAL_STATE_DIR if self.local_dir is not None
+                else Path(os.environ.get("TMPDIR", "/tmp")))
+        path = base / f"{what}-{layout.step_name(step)}-{os.getpid()}-{time.monotonic_ns()}"
+        path.mkdir(parents=True)
+        return path
+
+    # -- restore ----------------------------------------------------------------------------
+
+    def newest_restorable(self, *, checksums: bool = True, download: bool = True,
+                          paths: set[str] | None = None,
+                          only_step: int | None = None) -> Restorable | None:
+        """The newest committed checkpoint whose files verify, made available locally.
+
+        A local copy that matches the manifest (sha256 when `checksums`) is used as is;
+        otherwise the files that differ are downloaded to a scratch folder, checked against
+        their sha256, and only then moved into the local tier. `paths` limits the files this
+        node needs (its own ranks' shards). Corrupt or partial checkpoints are skipped with a
+        logged event. When the store is unreachable, the local copies of committed manifests
+        are used instead. `only_step` restricts the choice to that step (a rollback)."""
+        try:
+            store = self._store_objects()
+            candidates = sorted((s for s, objs in store.items()
+                                 if layout.manifest_key(s) in objs), reverse=True)
+            if self.storage is None:
+                candidates = self._local_manifest_steps()
+        except TransientStorageError as e:
+            log.warning("checkpoint_store_unreachable", cause="outage", detail=str(e))
+            store, candidates = {}, self._local_manifest_steps()
+        if only_step is not None:
+            candidates = [s for s in candidates if s == only_step]
+        for step in candidates:
+            try:
+                manifest = self.load_manifest(step, local_only=step not in store)
+            except (CheckpointError, NotFoundError) as e:
+                _skip(step, "unreadable", str(e))
+                continue
+            if step in store and (problems := _size_problems(step, manifest, store[step])):
+                _skip(step, "incomplete", "; ".join(problems[:5]))
+                continue
+            found = self._materialize(manifest, checksums, download and step in store, paths)
+            if found is not None:
+                return found
+        return None
+
+    def _local_manifest_steps(self) -> builtins.list[int]:
+        if self.local_dir is None:
+            return []
+        state = self.local_dir / layout.LOCAL_STATE_DIR
+        steps = [int(m.group(1)) for p in state.glob(f"step-*/{layout.MANIFEST_NAME}")
+                 if (m := _STEP_DIR_RE.match(p.parent.name))]
+        return sorted(steps, reverse=True)
+
+    def _materialize(self, manifest: Manifest, checksums: bool, download: bool,
+                     paths: set[str] | None) -> Restorable | None:
+        step = manifest.step
+        if self.local_dir is None:
+            raise StateError("restoring needs a local folder to restore into")
+        wanted = [e for e in manifest.files if paths is None or e.path in paths]
+        stale = [e for e in wanted if not _local_matches(self.local_dir / e.path, e, checksums)]
+        if not stale:
+            save_local_manifest(self.local_dir, manifest)
+            return Restorable(step, manifest, self.local_dir, "local")
+        if not download or self.storage is None:
+            _skip(step, "not_local", f"{len(stale)} files missing or differing locally "
+                  "and no download possible")
+            return None
+        scratch = self._scratch(step, "download")
+        try:
+            for i, entry in enumerate(stale):
+                tmp = scratch / f"{i:06d}"
+                try:
+                    self.storage.get_file(layout.file_key(step, entry.path), tmp)
+                except NotFoundError:
+                    _skip(step, "incomplete", f"{entry.path}: missing in the store")
+                    return None
+                if not _local_matches(tmp, entry, checksums=True):
+                    _skip(step, "corrupt", f"{entry.path}: size or sha256 of the stored object "
+                          "differs from the manifest")
+                    return None
+            for i, entry in enumerate(stale):
+                dest = self.local_dir / entry.path
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(scratch / f"{i:06d}", dest)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        save_local_manifest(self.local_dir, manifest)
+        log.info("checkpoint_downloaded", step=step, files=len(stale),
+                 bytes=sum(e.size for e in stale))
+        return Restorable(step, manifest, self.local_dir, "downloaded")
+
+    # -- deletion ---------------------------------------------------------------------------
+
+    def delete(self, step: int, *, store: bool = True, local: bool = True,
+               force: bool = False) -> None:
+        """Deletes a checkpoint. In the store the MANIFEST goes first, so a half-finished delete
+        leaves an uncommitted step, never a committed one with files missing. The local copy of
+        a step whose upload is unfinished is kept unless `force` (it is the only copy)."""
+        if store and self.storage is not None:
+            keys = [o.key for o in self.storage.list(layout.step_prefix(step))]
+            self.storage.delete([layout.manifest_key(step)])
+            self.storage.delete(k for k in keys if k != layout.manifest_key(step))
+        if local and self.local_dir is not None:
+            committed = self.storage is None or not self._unfinished_local(step)
+            if not committed and not force:
+                raise StateError(f"step {step}: its upload is unfinished and the local copy may "
+                                 "be the only one; pass force to delete it anyway")
+            shutil.rmtree(self.local_dir / self._local_tag(step), ignore_errors=True)
+            shutil.rmtree(layout.local_state_dir(self.local_dir, step), ignore_errors=True)
+        log.info("checkpoint_deleted", step=step, store=store, local=local)
+
+    def _unfinished_local(self, step: int) -> bool:
+        assert self.local_dir is not None
+        for marker in layout.local_state_dir(self.local_dir, step).glob("rank-*.json"):
+            rec = read_marker(marker)
+            if rec and rec.get("state") in ("pending", "failed"):
+                return True
+        return False
+
+    def apply_retention(self, keep_last: int, keep_every: int = 0,
+                        protect: Iterable[int] = ()) -> builtins.list[int]:
+        """Deletes committed checkpoints superseded per `plan_retention`; returns their steps.
+        Uploading, local-only and corrupt steps are never touched here."""
+        committed = [c.step for c in self.list() if c.state is CkptState.COMMITTED]
+        doomed = plan_retention(committed, keep_last, keep_every, protect)
+        for step in doomed:
+            self.delete(step)
+        return doomed
+
+
+def _size_problems(step: int, manifest: Manifest, objects: dict[str, int]) -> list[str]:
+    problems = []
+    for entry in manifest.files:
+        size = objects.get(layout.file_key(step, entry.path))
+        if size is None:
+            problems.append(f"{entry.path}: missing in the store")
+        elif size != entry.size:
+            problems.append(f"{entry.path}: {size} bytes in the store, manifest says {entry.size}")
+    return problems
+
+
+def _local_matches(path: Path, entry: FileEntry, checksums: bool) -> bool:
+    try:
+        if path.stat().st_size != entry.size:
+            return False
+    except FileNotFoundError:
+        return False
+    return not checksums or hash_file(path) == entry.sha256
+
+
+def _skip(step: int, cause: str, detail: str) -> None:
+    log.warning("checkpoint_skipped", step=step, cause=cause, detail=detail)

@@ -1,0 +1,186 @@
+"""`FileStorage`: the `Storage` contract on a local or shared file system (`file:///path`).
+
+Writes are atomic: data goes to a temporary file in the destination folder, is fsynced, then
+renamed over the key (and the folder fsynced), so a crash leaves either the old object or the new
+one, never a torn file. `put_bytes(if_absent=True)` links the finished temporary file to the key
+with `os.link`, which fails if the key exists: a real create-if-absent even on NFS, without the
+window a check-then-rename would have.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import uuid
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from ds3d.trainer.errors import NotFoundError, PermissionError_, StorageError
+
+from .storage import ObjectInfo
+
+_TMP_PREFIX = ".tmp-ds3d-"
+_COPY_CHUNK = 8 << 20
+
+
+class FileStorage:
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        if not self.root.is_absolute():
+            raise StorageError(f"file store {root!s} must be an absolute path")
+        self.url = f"file://{self.root}"
+
+    def __repr__(self) -> str:
+        return f"FileStorage({self.url!r})"
+
+    # -- paths ------------------------------------------------------------------------------
+
+    def _path(self, key: str) -> Path:
+        parts = key.split("/")
+        if not key or key.startswith("/") or any(p in ("", ".", "..") for p in parts):
+            raise StorageError(f"invalid object key {key!r}")
+        if parts[-1].startswith(_TMP_PREFIX):
+            raise StorageError(f"object key {key!r} uses a reserved name")
+        return self.root.joinpath(*parts)
+
+    def _tmp_beside(self, path: Path) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path.parent / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
+
+    # -- writes -----------------------------------------------------------------------------
+
+    def put_file(self, local_path: str | Path, key: str) -> None:
+        dest = self._path(key)
+        with _os_errors(f"upload {local_path} to {self.url}/{key}"):
+            tmp = self._tmp_beside(dest)
+            try:
+                with open(local_path, "rb") as src, open(tmp, "wb") as dst:
+                    shutil.copyfileobj(src, dst, _COPY_CHUNK)
+                    dst.flush()
+                    os.fsync(dst.fileno())
+                os.replace(tmp, dest)
+            finally:
+                tmp.unlink(missing_ok=True)
+            _fsync_dir(dest.parent)
+
+    def put_bytes(self, key: str, data: bytes, if_absent: bool = False) -> bool:
+        dest = self._path(key)
+        with _os_errors(f"write {self.url}/{key}"):
+            tmp = self._tmp_beside(dest)
+            try:
+                with open(tmp, "wb") as fh:
+                    fh.write(data)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                if if_absent:
+                    try:
+                        os.link(tmp, dest)
+                    except FileExistsError:
+                        return False
+                else:
+                    os.replace(tmp, dest)
+            finally:
+                tmp.unlink(missing_ok=True)
+            _fsync_dir(dest.parent)
+            return True
+
+    def delete(self, keys: Iterable[str]) -> None:
+        for key in keys:
+            path = self._path(key)
+            with _os_errors(f"delete {self.url}/{key}"):
+                path.unlink(missing_ok=True)
+                self._prune_empty_dirs(path.parent)
+
+    def _prune_empty_dirs(self, folder: Path) -> None:
+        """Removes folders left empty by a delete, up to (not including) the root."""
+        while folder != self.root and self.root in folder.parents:
+            try:
+                folder.rmdir()
+            except OSError:
+                return
+            folder = folder.parent
+
+    # -- reads ------------------------------------------------------------------------------
+
+    def get_file(self, key: str, local_path: str | Path) -> None:
+        src = self._path(key)
+        dest = Path(local_path)
+        with _os_errors(f"download {self.url}/{key}", key=key):
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            tmp = dest.parent / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
+            try:
+                with open(src, "rb") as s, open(tmp, "wb") as d:
+                    shutil.copyfileobj(s, d, _COPY_CHUNK)
+                    d.flush()
+                    os.fsync(d.fileno())
+                os.replace(tmp, dest)
+            finally:
+                tmp.unlink(missing_ok=True)
+
+    def get_bytes(self, key: str) -> bytes:
+        with _os_errors(f"read {self.url}/{key}", key=key):
+            return self._path(key).read_bytes()
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        # Walk only the deepest folder the prefix names, not the whole store.
+        head, _, _ = prefix.rpartition("/")
+        start = self.root.joinpath(*head.split("/")) if head else self.root
+        out: list[ObjectInfo] = []
+        with _os_errors(f"list {self.url}/{prefix}"):
+            for dirpath, _dirs, names in os.walk(start):
+                for name in names:
+                    if name.startswith(_TMP_PREFIX):
+                        continue
+                    full = Path(dirpath) / name
+                    key = full.relative_to(self.root).as_posix()
+                    if key.startswith(prefix):
+                        try:
+                            out.append(ObjectInfo(key, full.stat().st_size))
+                        except FileNotFoundError:
+                            continue  # deleted while listing
+        out.sort(key=lambda o: o.key)
+        return out
+
+    def check_access(self) -> None:
+        """Creates the root if needed and proves a write, read and delete work there."""
+        with _os_errors(f"use {self.url}"):
+            self.root.mkdir(parents=True, exist_ok=True)
+        probe = f".ds3d-access-check-{uuid.uuid4().hex}"
+        self.put_bytes(probe, b"ok")
+        try:
+            if self.get_bytes(probe) != b"ok":
+                raise StorageError(f"{self.url}: a probe object read back differently")
+        finally:
+            self.delete([probe])
+
+
+@contextmanager
+def _os_errors(what: str, key: str | None = None) -> Iterator[None]:
+    """Maps OSError to the error hierarchy, naming the operation and what to fix."""
+    try:
+        yield
+    except FileNotFoundError as exc:
+        if key is not None:
+            raise NotFoundError(f"cannot {what}: no such object") from exc
+        raise StorageError(f"cannot {what}: {exc}") from exc
+    except OSError as exc:
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise PermissionError_(f"cannot {what}: {exc.strerror}; give the job's user write "
+                                   "access to that folder or choose another store") from exc
+        if exc.errno == errno.ENOSPC:
+            raise StorageError(f"cannot {what}: no space left on the device") from exc
+        raise StorageError(f"cannot {what}: {exc}") from exc
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Makes a rename durable (the folder entry itself must reach the disk)."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

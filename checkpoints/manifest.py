@@ -1,0 +1,197 @@
+"""What a checkpoint is: its manifest (JSON), the per-rank parts it is merged from, and checksums.
+
+The manifest is the only proof that a checkpoint is complete: it lists every file with its size
+and sha256, the parallel layout it was saved in, and where training was (step, tokens, data
+position), so a restore can refuse a layout or model it cannot load and resume the data stream
+exactly. Paths are relative to the local checkpoint folder (DeepSpeed's `global_stepN/...`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .layout import check_rel_path, local_manifest_path
+
+FORMAT_VERSION = 1
+HASH_CHUNK = 8 << 20
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class FileEntry(_Model):
+    path: str = Field(description="relative to the checkpoint folder, POSIX separators")
+    size: int = Field(ge=0, description="bytes")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class Layout(_Model):
+    tp: int = Field(ge=1)
+    pp: int = Field(ge=1)
+    dp: int = Field(ge=1)
+    world_size: int = Field(ge=1)
+
+
+class CheckpointMeta(_Model):
+    """Everything about a checkpoint except its files: given by the trainer at save time."""
+
+    job: str
+    tokens_seen: int = Field(default=0, ge=0)
+    tag: str = Field(description="DeepSpeed tag, the sub-folder its files live in")
+    layout: Layout
+    model_hash: str = ""
+    data_position: dict[str, Any] = Field(default_factory=dict)
+
+
+class PartManifest(_Model):
+    """One rank's files, written by that rank after they are uploaded."""
+
+    format_version: int = FORMAT_VERSION
+    step: int = Field(ge=0)
+    rank: int = Field(ge=0)
+    created: float = Field(description="unix seconds")
+    files: list[FileEntry]
+
+
+class Manifest(_Model):
+    format_version: int = FORMAT_VERSION
+    job: str
+    step: int = Field(ge=0)
+    tokens_seen: int = Field(ge=0)
+    tag: str
+    created: float = Field(description="unix seconds when the manifest was built")
+    layout: Layout
+    model_hash: str
+    data_position: dict[str, Any]
+    ds3d_version: str
+    deepspeed_version: str
+    files: list[FileEntry]
+
+    @property
+    def total_size(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def to_json(self) -> bytes:
+        return self.model_dump_json(indent=1).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> "Manifest":
+        return cls.model_validate_json(data)
+
+
+def versions() -> tuple[str, str]:
+    """(ds3d, deepspeed) versions from package metadata: no import of deepspeed (it is slow)."""
+    out = []
+    for dist in ("ds3d", "deepspeed"):
+        try:
+            out.append(metadata.version(dist))
+        except metadata.PackageNotFoundError:
+            out.append("unknown")
+    return out[0], out[1]
+
+
+def hash_file(path: str | Path) -> str:
+    """sha256 of a file, read in 8 MiB chunks so memory stays flat for 10 GB shards."""
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as fh:
+        buf = bytearray(HASH_CHUNK)
+        view = memoryview(buf)
+        while n := fh.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def list_checkpoint_files(local_dir: str | Path, tag: str) -> list[str]:
+    """Relative paths of every regular file under `local_dir/tag`, sorted."""
+    root = Path(local_dir)
+    out = []
+    for dirpath, _dirs, names in os.walk(root / tag):
+        for name in names:
+            full = Path(dirpath) / name
+            if full.is_file() and not name.startswith(".tmp-ds3d-"):
+                out.append(full.relative_to(root).as_posix())
+    return sorted(out)
+
+
+def file_entries(local_dir: str | Path, files: list[str]) -> list[FileEntry]:
+    root = Path(local_dir)
+    entries = []
+    for rel in sorted(set(files)):
+        rel = check_rel_path(rel)
+        full = root / rel
+        entries.append(FileEntry(path=rel, size=full.stat().st_size, sha256=hash_file(full)))
+    return entries
+
+
+def build_manifest(local_dir: str | Path, step: int, meta: CheckpointMeta,
+                   files: list[str] | None = None) -> Manifest:
+    """Manifest of a checkpoint held whole in one local folder (one node, or a shared disk).
+    `files` defaults to everything under `local_dir/meta.tag`."""
+    if files is None:
+        files = list_checkpoint_files(local_dir, meta.tag)
+    return manifest_from_entries(step, meta, file_entries(local_dir, files))
+
+
+def manifest_from_entries(step: int, meta: CheckpointMeta, entries: list[FileEntry]) -> Manifest:
+    ds3d_version, ds_version = versions()
+    return Manifest(
+        job=meta.job, step=step, tokens_seen=meta.tokens_seen, tag=meta.tag,
+        created=time.time(), layout=meta.layout, model_hash=meta.model_hash,
+        data_position=meta.data_position, ds3d_version=ds3d_version,
+        deepspeed_version=ds_version, files=sorted(entries, key=lambda e: e.path))
+
+
+def merge_parts(step: int, meta: CheckpointMeta, parts: list[PartManifest]) -> Manifest:
+    """Merges the ranks' parts; a path listed by two ranks must be the same bytes."""
+    by_path: dict[str, FileEntry] = {}
+    for part in parts:
+        if part.step != step:
+            raise ValueError(f"part of rank {part.rank} is for step {part.step}, not {step}")
+        for entry in part.files:
+            seen = by_path.setdefault(entry.path, entry)
+            if seen != entry:
+                raise ValueError(f"{entry.path} differs between ranks' parts "
+                                 f"({seen.sha256[:12]} vs {entry.sha256[:12]})")
+    return manifest_from_entries(step, meta, list(by_path.values()))
+
+
+def verify_local(local_dir: str | Path, manifest: Manifest, checksums: bool = True,
+                 only: set[str] | None = None) -> list[str]:
+    """Problems of the local copy against the manifest (empty = it matches). Sizes always,
+    sha256 when `checksums`; `only` restricts to some paths (a node's own shards)."""
+    root = Path(local_dir)
+    problems = []
+    for entry in manifest.files:
+        if only is not None and entry.path not in only:
+            continue
+        full = root / entry.path
+        try:
+            size = full.stat().st_size
+        except FileNotFoundError:
+            problems.append(f"{entry.path}: missing")
+            continue
+        if size != entry.size:
+            problems.append(f"{entry.path}: {size} bytes, manifest says {entry.size}")
+        elif checksums and hash_file(full) != entry.sha256:
+            problems.append(f"{entry.path}: sha256 differs from the manifest")
+    return problems
+
+
+def save_local_manifest(local_dir: str | Path, manifest: Manifest) -> None:
+    """Keeps a copy of a committed manifest in the local tier (restore during a store outage)."""
+    path = local_manifest_path(local_dir, manifest.step)
+    data = manifest.to_json()
+    if path.is_file() and path.read_bytes() == data:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)

@@ -1,0 +1,431 @@
+"""Getting a saved checkpoint from the local tier into the store, without training waiting.
+
+Protocol (see layout.py): every rank uploads its own files, then writes its part manifest; one
+committer (rank 0) polls the store until all `world_size` parts exist, merges them and writes
+MANIFEST.json last with a conditional put, reads it back, then moves the `latest` pointer.
+Ranks never use collectives here: this runs in background threads (or its own process), and a
+background thread sharing the training process group has deadlocked jobs before.
+
+`Uploader` runs that in one background thread per rank, fed by a queue. A second save while an
+upload is still running is QUEUED, not dropped and not run in parallel: uploads happen in step
+order, each checkpoint's local files stay untouched until their upload ends (the trainer saves
+each step into its own tag folder), so a newer save never overwrites an older one in flight,
+and the store's bandwidth goes to one checkpoint at a time, so the oldest becomes durable first
+(dropping it would leave the job with nothing durable under a slow store). If saves outpace
+uploads, the queue grows; `pending()` tells the trainer so it can save less often.
+
+A failed upload (after storage retries) leaves the local checkpoint in place, marks it
+`failed` in the local marker (`L/.ds3d/step-N/rank-R.json`, which also keeps the file list and
+metadata so a restarted process can resume it: `resume_pending`), emits an event, and is retried
+by the Uploader when its queue is idle and `retry_interval` has passed.
+
+Run as a process: `python -m ds3d.checkpoints.upload --store URL --step N --rank R
+--world-size W --dir LOCAL [--commit]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import structlog
+from pydantic import ValidationError
+
+from ds3d.trainer.errors import CheckpointError, Ds3dError, NotFoundError
+
+from . import layout
+from .manifest import (
+    CheckpointMeta,
+    Layout,
+    Manifest,
+    PartManifest,
+    file_entries,
+    list_checkpoint_files,
+    merge_parts,
+    save_local_manifest,
+)
+from .storage import Storage, open_storage
+
+log = structlog.get_logger("ds3d.checkpoints.upload")
+
+MarkerState = Literal["pending", "failed", "uploaded", "committed"]
+
+
+# -- local markers ---------------------------------------------------------------------------
+
+
+def write_marker(local_dir: str | Path, step: int, rank: int, state: MarkerState,
+                 files: list[str], meta: CheckpointMeta | None, error: str | None = None) -> None:
+    """Atomically records this rank's upload state of a step in the local tier."""
+    path = layout.local_rank_marker(local_dir, step, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {"state": state, "step": step, "rank": rank, "time": time.time(), "error": error,
+              "files": files, "meta": meta.model_dump(mode="json") if meta else None}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, path)
+
+
+def read_marker(path: str | Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+# -- one rank's upload, one commit -----------------------------------------------------------
+
+
+def upload_rank_files(storage: Storage, step: int, rank: int, local_ckpt_dir: str | Path,
+                      files: list[str]) -> PartManifest:
+    """Uploads this rank's files (paths relative to `local_ckpt_dir`), then its part manifest.
+
+    Refuses to touch a step whose MANIFEST already exists unless it lists these very files
+    (then the upload already happened: idempotent after a crash before the marker was updated).
+    """
+    entries = file_entries(local_ckpt_dir, files)
+    try:
+        existing = Manifest.from_json(storage.get_bytes(layout.manifest_key(step)))
+    except NotFoundError:
+        existing = None
+    except ValidationError:
+        raise CheckpointError(f"step {step} has an unreadable MANIFEST in {storage.url}; delete "
+                              "that checkpoint before saving the step again") from None
+    part = PartManifest(step=step, rank=rank, created=time.time(), files=entries)
+    if existing is not None:
+        committed = {e.path: e for e in existing.files}
+        if all(committed.get(e.path) == e for e in entries):
+            return part
+        raise CheckpointError(f"step {step} is already committed in {storage.url} with other "
+                              "files; delete it before saving that step again")
+    t0 = time.monotonic()
+    for entry in entries:
+        storage.put_file(Path(local_ckpt_dir) / entry.path, layout.file_key(step, entry.path))
+    storage.put_bytes(layout.part_key(step, rank), part.model_dump_json().encode())
+    log.info("rank_uploaded", step=step, rank=rank, files=len(entries),
+             bytes=sum(e.size for e in entries), seconds=round(time.monotonic() - t0, 3))
+    return part
+
+
+def commit_checkpoint(storage: Storage, step: int, world_size: int, meta: CheckpointMeta,
+                      timeout: float, poll_interval: float = 0.5) -> Manifest:
+    """Waits (up to `timeout` s) for all parts, merges them, writes MANIFEST.json last and
+    verifies what the store holds. Safe to repeat: an identical existing manifest is accepted."""
+    deadline = time.monotonic() + timeout
+    want = set(range(world_size))
+    while True:
+        have = {r for o in storage.list(layout.parts_prefix(step))
+                if (r := layout.rank_of_part_key(o.key)) is not None}
+        if want <= have:
+            break
+        if time.monotonic() >= deadline:
+            missing = sorted(want - have)
+            raise CheckpointError(
+                f"step {step}: only {len(have & want)} of {world_size} ranks uploaded their part "
+                f"within {timeout:.0f} s (missing ranks {missing[:16]}); the checkpoint stays "
+                "uncommitted")
+        time.sleep(poll_interval)
+    parts = []
+    for r in sorted(want):
+        try:
+            parts.append(PartManifest.model_validate_json(storage.get_bytes(layout.part_key(step, r))))
+        except ValidationError as e:
+            raise CheckpointError(f"step {step}: part of rank {r} is unreadable: {e}") from None
+    try:
+        manifest = merge_parts(step, meta, parts)
+    except ValueError as e:
+        raise CheckpointError(f"step {step}: {e}") from None
+    stored = {o.key: o.size for o in storage.list(layout.files_prefix(step))}
+    for entry in manifest.files:
+        size = stored.get(layout.file_key(step, entry.path))
+        if size != entry.size:
+            raise CheckpointError(f"step {step}: {entry.path} is "
+                                  f"{'missing' if size is None else f'{size} bytes'} in the "
+                                  f"store, its part says {entry.size} bytes")
+    key = layout.manifest_key(step)
+    data = manifest.to_json()
+    # Check first, then put-if-absent: on a store that ignores the condition, the check still
+    # keeps a committed manifest from being replaced (one committer per job makes a race rare).
+    written = not storage.exists(key) and storage.put_bytes(key, data, if_absent=True)
+    # Read back whatever the store now holds: a server may ignore the condition, or another
+    # committer may have won; either way the stored manifest must list exactly these files.
+    try:
+        final = Manifest.from_json(storage.get_bytes(key))
+    except ValidationError:
+        raise CheckpointError(f"step {step}: the MANIFEST read back from {storage.url} is "
+                              "unreadable; the store does not keep what it was given") from None
+    if final.files != manifest.files or final.step != step:
+        raise CheckpointError(f"step {step}: a different MANIFEST is already committed in "
+                              f"{storage.url}; delete that checkpoint before saving it again")
+    update_latest(storage, step)
+    log.info("checkpoint_committed", step=step, files=len(final.files), bytes=final.total_size,
+             written=written)
+    return final
+
+
+def update_latest(storage: Storage, step: int) -> None:
+    """Moves the `latest` pointer forward only (a convenience; never trusted over manifests)."""
+    try:
+        current = layout.step_of_key(storage.get_bytes(layout.LATEST_KEY).decode().strip() + "/")
+    except (NotFoundError, UnicodeDecodeError):
+        current = None
+    if current is None or current < step:
+        storage.put_bytes(layout.LATEST_KEY, (layout.CKPT_ROOT + layout.step_name(step)).encode())
+
+
+# -- background uploader ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class UploadEvent:
+    kind: Literal["uploaded", "committed", "failed"]
+    step: int
+    rank: int
+    seconds: float
+    detail: str = ""
+
+
+@dataclass
+class _Job:
+    step: int
+    files: list[str]
+    meta: CheckpointMeta
+    attempts: int = 0
+    uploaded: bool = False
+    retry_at: float = field(default=0.0)
+
+
+class Uploader:
+    """One background thread per rank that uploads queued checkpoints in step order."""
+
+    def __init__(self, storage: Storage, local_dir: str | Path, rank: int, world_size: int, *,
+                 committer: bool | None = None, commit_timeout: float = 600.0,
+                 retry_interval: float = 30.0,
+                 on_event: Callable[[UploadEvent], None] | None = None) -> None:
+        self.storage, self.local_dir = storage, Path(local_dir)
+        self.rank, self.world_size = rank, world_size
+        self.committer = rank == 0 if committer is None else committer
+        self.commit_timeout, self.retry_interval = commit_timeout, retry_interval
+        self.on_event = on_event
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._failed: dict[int, _Job] = {}
+        self._known: set[int] = set()
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._busy = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"ds3d-upload-r{rank}", daemon=True)
+        self._thread.start()
+
+    def submit(self, step: int, files: list[str], meta: CheckpointMeta) -> None:
+        """Queues a saved checkpoint (files relative to local_dir); returns at once."""
+        with self._lock:
+            if step in self._known:
+                return
+            self._known.add(step)
+            self._busy += 1
+        write_marker(self.local_dir, step, self.rank, "pending", files, meta)
+        self._queue.put(_Job(step, list(files), meta))
+
+    def resume_pending(self) -> list[int]:
+        """Re-queues this rank's unfinished uploads found in the local markers (after a restart)."""
+        steps = []
+        for marker in sorted(self.local_dir.glob(
+                f"{layout.LOCAL_STATE_DIR}/step-*/rank-{self.rank:05d}.json")):
+            rec = read_marker(marker)
+            if not rec or rec.get("meta") is None:
+                continue
+            done = rec["state"] == "committed" or (rec["state"] == "uploaded" and not self.committer)
+            if not done:
+                self.submit(int(rec["step"]), list(rec["files"]),
+                            CheckpointMeta.model_validate(rec["meta"]))
+                steps.append(int(rec["step"]))
+        return steps
+
+    def pending(self) -> list[int]:
+        """Steps queued, in flight, or failed and waiting for a retry."""
+        with self._lock:
+            return sorted(self._known)
+
+    def failed(self) -> list[int]:
+        with self._lock:
+            return sorted(self._failed)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Blocks until nothing is queued or in flight (failed ones may remain); False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._idle:
+            while self._busy:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    def retry_failed_now(self) -> None:
+        with self._lock:
+            for job in self._failed.values():
+                job.retry_at = 0.0
+        self._queue.put(None)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stops after the upload in flight; what is still queued stays `pending` locally and is
+        picked up by `resume_pending` in the next process."""
+        self._stop.set()
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                job = self._queue.get(timeout=min(self.retry_interval, 1.0))
+            except queue.Empty:
+                job = None
+            if self._stop.is_set():
+                return
+            if job is None:
+                job = self._due_retry()
+                if job is None:
+                    continue
+            self._process(job)
+
+    def _due_retry(self) -> _Job | None:
+        now = time.monotonic()
+        with self._lock:
+            due = [j for j in self._failed.values() if j.retry_at <= now]
+            if not due:
+                return None
+            job = min(due, key=lambda j: j.step)
+            del self._failed[job.step]
+            self._busy += 1
+            return job
+
+    def _process(self, job: _Job) -> None:
+        t0 = time.monotonic()
+        job.attempts += 1
+        try:
+            if not job.uploaded:
+                upload_rank_files(self.storage, job.step, self.rank, self.local_dir, job.files)
+                job.uploaded = True
+                write_marker(self.local_dir, job.step, self.rank, "uploaded", job.files, job.meta)
+                self._emit("uploaded", job, t0)
+            if self.committer:
+                manifest = commit_checkpoint(self.storage, job.step, self.world_size, job.meta,
+                                             timeout=self.commit_timeout)
+                save_local_manifest(self.local_dir, manifest)
+                write_marker(self.local_dir, job.step, self.rank, "committed", job.files, job.meta)
+                self._emit("committed", job, t0)
+            with self._lock:
+                self._known.discard(job.step)
+        except Ds3dError as e:
+            # Terminal and retryable errors alike: the local copy is kept, and a later attempt
+            # may succeed once the store or the other ranks are back.
+            write_marker(self.local_dir, job.step, self.rank, "failed", job.files, job.meta,
+                         error=str(e))
+            job.retry_at = time.monotonic() + self.retry_interval
+            with self._lock:
+                self._failed[job.step] = job
+            log.warning("checkpoint_upload_failed", step=job.step, rank=self.rank,
+                        attempt=job.attempts, cause=type(e).__name__, detail=str(e))
+            self._emit("failed", job, t0, str(e))
+        except OSError as e:
+            # The local files are gone or unreadable: nothing left to upload from.
+            write_marker(self.local_dir, job.step, self.rank, "failed", job.files, job.meta,
+                         error=f"local files unreadable: {e}")
+            with self._lock:
+                self._known.discard(job.step)
+            log.error("checkpoint_upload_abandoned", step=job.step, rank=self.rank, detail=str(e))
+            self._emit("failed", job, t0, f"local files unreadable: {e}")
+        except Exception as e:
+            # A bug, not a storage problem: logged with its traceback, retried like a failure so
+            # the thread (and every later checkpoint) survives it.
+            log.exception("checkpoint_upload_bug", step=job.step, rank=self.rank)
+            write_marker(self.local_dir, job.step, self.rank, "failed", job.files, job.meta,
+                         error=f"internal error: {e!r}")
+            job.retry_at = time.monotonic() + self.retry_interval
+            with self._lock:
+                self._failed[job.step] = job
+            self._emit("failed", job, t0, f"internal error: {e!r}")
+        finally:
+            with self._idle:
+                self._busy -= 1
+                self._idle.notify_all()
+
+    def _emit(self, kind: Literal["uploaded", "committed", "failed"], job: _Job, t0: float,
+              detail: str = "") -> None:
+        if self.on_event is not None:
+            self.on_event(UploadEvent(kind, job.step, self.rank,
+                                      round(time.monotonic() - t0, 3), detail))
+
+
+# -- command line ----------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ds3d.checkpoints.upload",
+                                description="Upload one rank's checkpoint files (and commit).")
+    p.add_argument("--store", required=True, help="file:///path or s3://bucket/prefix")
+    p.add_argument("--step", type=int, required=True)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--dir", required=True, help="local checkpoint folder (DeepSpeed's save_dir)")
+    p.add_argument("--tag", help="sub-folder of --dir to upload; default global_step<STEP>")
+    p.add_argument("--files", nargs="*", help="paths relative to --dir; default all under --tag")
+    p.add_argument("--commit", action="store_true", help="also commit (wait for all parts)")
+    p.add_argument("--commit-timeout", type=float, default=600.0)
+    p.add_argument("--job", default="job")
+    p.add_argument("--tokens-seen", type=int, default=0)
+    p.add_argument("--layout", default=None, help="TP,PP,DP (default 1,1,world-size)")
+    p.add_argument("--threshold-mib", type=int, help="S3 multipart threshold")
+    p.add_argument("--chunk-mib", type=int, help="S3 multipart part size")
+    p.add_argument("--concurrency", type=int, help="S3 parallel parts")
+    p.add_argument("--max-bandwidth-mib", type=float, help="S3 bandwidth limit, MiB/s")
+    a = p.parse_args(argv)
+
+    tag = a.tag or layout.default_tag(a.step)
+    files = a.files if a.files else list_checkpoint_files(a.dir, tag)
+    if not files:
+        p.error(f"no files to upload under {Path(a.dir) / tag}; check --dir, --tag and --step")
+    tp, pp, dp = (int(x) for x in a.layout.split(",")) if a.layout else (1, 1, a.world_size)
+    meta = CheckpointMeta(job=a.job, tokens_seen=a.tokens_seen, tag=tag,
+                          layout=Layout(tp=tp, pp=pp, dp=dp, world_size=a.world_size))
+    options: dict[str, Any] = {}
+    if a.store.startswith("s3://"):
+        for opt, val in (("multipart_threshold", a.threshold_mib),
+                         ("multipart_chunksize", a.chunk_mib)):
+            if val:
+                options[opt] = val << 20
+        if a.concurrency:
+            options["max_concurrency"] = a.concurrency
+        if a.max_bandwidth_mib:
+            options["max_bandwidth"] = int(a.max_bandwidth_mib * (1 << 20))
+    try:
+        storage = open_storage(a.store, **options)
+        write_marker(a.dir, a.step, a.rank, "pending", files, meta)
+        upload_rank_files(storage, a.step, a.rank, a.dir, files)
+        write_marker(a.dir, a.step, a.rank, "uploaded", files, meta)
+        if a.commit:
+            manifest = commit_checkpoint(storage, a.step, a.world_size, meta, a.commit_timeout)
+            save_local_manifest(Path(a.dir), manifest)
+            write_marker(a.dir, a.step, a.rank, "committed", files, meta)
+    except Ds3dError as e:
+        write_marker(a.dir, a.step, a.rank, "failed", files, meta, error=str(e))
+        print(f"upload of step {a.step} rank {a.rank} failed: {e}", file=sys.stderr)
+        return 1
+    print(f"step {a.step} rank {a.rank}: {len(files)} files uploaded"
+          + (", committed" if a.commit else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
