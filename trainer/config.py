@@ -129,6 +129,29 @@ class CheckpointConfig(_Section):
     load: bool = Field(default=True, description="resume from the newest complete checkpoint")
 
 
+class FaultsConfig(_Section):
+    """What the trainer does when a step goes bad. Every rank decides the same (one all-reduce)."""
+
+    nan_policy: Literal["rollback", "pause", "alert"] = Field(
+        default="rollback", description="on NaN/Inf loss or gradient norm: reload the newest "
+        "committed checkpoint and skip the bad data window, pause the job, or only report")
+    skip_batches: int = Field(default=1, ge=0, description="batches skipped on a rollback, "
+                              "ending with the one that failed")
+    lr_factor: float = Field(default=1.0, gt=0, le=1, description="multiply the LR by this on "
+                             "every rollback (1 = unchanged)")
+    fp16_max_skipped_steps: int = Field(default=20, ge=0, description="fp16: consecutive "
+                                        "overflow-skipped steps tolerated before a rollback")
+    max_rollbacks: int = Field(default=3, ge=1, description="rollbacks allowed within "
+                               "rollback_window_steps before the job pauses instead")
+    rollback_window_steps: int = Field(default=1000, ge=1)
+    spike_policy: Literal["off", "alert", "rollback"] = Field(
+        default="alert", description="on a loss spike: nothing, report it, or treat it as NaN")
+    spike_window: int = Field(default=50, ge=5, description="steps of loss history for the median")
+    spike_mads: float = Field(default=6.0, gt=0, description="a spike is a loss above the running "
+                              "median by this many median absolute deviations")
+    spike_patience: int = Field(default=3, ge=1, description="... for this many steps in a row")
+
+
 class LaunchConfig(_Section):
     nnodes: int = Field(default=1, ge=1, description="nodes the job starts on")
     min_nodes: int | None = Field(default=None, ge=1, description="fewest nodes to keep running")
@@ -147,6 +170,7 @@ class JobConfig(_Section):
     data: DataConfig = Field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
+    faults: FaultsConfig = Field(default_factory=FaultsConfig)
 
     @field_validator("name")
     @classmethod

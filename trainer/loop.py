@@ -1,9 +1,10 @@
-"""The step loop of one worker: restore, then step / report / checkpoint / obey commands.
+"""The step loop of one worker: restore, then step / report / checkpoint / obey commands /
+recover from bad steps.
 
 All ranks take every decision together. Once per step one small all-reduce (MAX) carries
-[command id, command action, non-finite flag]: rank 0 contributes the daemon's newest command,
-every rank contributes whether its loss or gradient norm was NaN/Inf. So a command or a fault is
-acted on by every rank at the same step, and no rank decides alone.
+[command id, command action, bad-step flag, spike flag]: rank 0 contributes the daemon's newest
+command, every rank its own verdict on the step (NaN/Inf loss or gradient norm, loss spike). So
+a command or a fault is acted on by every rank at the same step, and no rank decides alone.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import torch.distributed as dist
 from ds3d.checkpoints.engine_io import CheckpointManager, Rank
 
 from .config import JobConfig
+from .data import batch_index
+from .faults import FaultInjector, RollbackBudget, SpikeDetector
 from .engine import StepResult, TrainStep
 from .layout import ParallelLayout, ProcessEnv
 from .report import Reporter
@@ -56,6 +59,9 @@ class Trainer:
         self.stop_at_step = stop_at_step
         self.step, self.tokens_seen, self.saved_step = 0, 0, -1
         self.reporter.emit("heartbeat", step=0, phase="init")
+        self.injector = FaultInjector(run_dir, env.rank)
+        self.spikes, self.budget = SpikeDetector(cfg.faults), RollbackBudget(cfg.faults)
+        self.fp16_skips = 0
         self.ckpt = CheckpointManager(
             cfg, run_dir, Rank(env.rank, env.world_size, env.local_rank, layout.tp_size,
                                layout.pp_size, layout.dp_size), device, self.reporter.emit)
@@ -117,13 +123,70 @@ class Trainer:
 
     # -- the loop -----------------------------------------------------------------------------
 
-    def _agree(self, result: StepResult | None) -> tuple[int, int, bool]:
+    def _verdict(self, r: StepResult) -> tuple[bool, bool]:
+        """This rank's view of the step: (bad, spike). fp16 overflow steps that the loss scaler
+        skipped are bad only past the configured run of them."""
+        f = self.cfg.faults
+        finite = math.isfinite(r.loss) and (r.grad_norm is None or math.isfinite(r.grad_norm))
+        if self.cfg.train.precision == "fp16" and r.skipped:
+            self.fp16_skips += 1
+            return self.fp16_skips > f.fp16_max_skipped_steps, False
+        self.fp16_skips = 0
+        spike = finite and f.spike_policy != "off" and self.spikes.observe(r.loss)
+        return not finite, spike
+
+    def _agree(self, bad: bool = False, spike: bool = False) -> tuple[int, int, bool, bool]:
+        """The one per-step collective: [command id, action, bad step, spike], MAX over ranks."""
         cid, action = self.inbox.poll() if self.env.rank == 0 else (0, 0)
-        bad = result is not None and not (math.isfinite(result.loss) and (
-            result.grad_norm is None or math.isfinite(result.grad_norm)))
-        flags = torch.tensor([cid, action, int(bad)], dtype=torch.long, device=self.device)
+        flags = torch.tensor([cid, action, int(bad), int(spike)], dtype=torch.long,
+                             device=self.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return int(flags[0]), int(flags[1]), bool(flags[2])
+        return int(flags[0]), int(flags[1]), bool(flags[2]), bool(flags[3])
+
+    def _recover(self, cause: str, r: StepResult) -> str | None:
+        """Policy for a bad step (collective): reload the newest committed checkpoint in this
+        process and skip the data window that ended with the failed batch. Returns a reason to
+        stop (pause) when the policy or the rollback budget says so."""
+        f, failed = self.cfg.faults, self.step
+        policy = f.nan_policy if cause == "nan" else f.spike_policy
+        detail = f"loss={r.loss} grad_norm={r.grad_norm} loss_scale={r.loss_scale}"
+        self.reporter.emit("fault", cause=cause, step=failed, detail=detail, policy=policy)
+        if policy == "alert":
+            return None
+        if policy == "pause" or not self.budget.allow(failed):
+            why = "policy" if policy == "pause" else (
+                f"{f.max_rollbacks} rollbacks within {f.rollback_window_steps} steps")
+            self.reporter.emit("fault", cause="rollback_budget" if policy != "pause" else cause,
+                               step=failed, detail=f"pausing the job ({why}); last good "
+                               f"checkpoint is kept, bad weights are not saved")
+            self.saved_step = self.step  # never checkpoint the bad weights
+            return "paused"
+        t0 = time.perf_counter()
+        self.ckpt.snapshot.wait()
+        plan = self.ckpt.plan_restore()
+        if plan is None:
+            self.reporter.emit("fault", cause="no_checkpoint", step=failed,
+                               detail="no committed checkpoint to roll back to; pausing")
+            self.saved_step = self.step
+            return "paused"
+        bad_batch = batch_index(failed - 1, self.cfg.data.skip_batches)
+        first_batch = batch_index(plan.step, self.cfg.data.skip_batches)
+        window = (max(first_batch, bad_batch - f.skip_batches + 1), bad_batch + 1)
+        if f.skip_batches:
+            self.cfg.data.skip_batches = sorted(set(self.cfg.data.skip_batches) | {window})
+        self.ckpt.load(self.step_fn.engine, plan)
+        sched = self.step_fn.engine.lr_scheduler
+        if f.lr_factor != 1.0 and sched is not None:
+            sched.base_lrs = [lr * f.lr_factor for lr in sched.base_lrs]
+        self.step = self.saved_step = plan.step
+        self.tokens_seen = plan.manifest.tokens_seen
+        self.spikes.reset()
+        self.reporter.emit("recovery", cause=cause, step=failed, recovered_to=plan.step,
+                           steps_lost=failed - plan.step, skipped_batches=list(window),
+                           seconds=round(time.perf_counter() - t0, 3))
+        log.warning("rolled back", cause=cause, failed_step=failed, to_step=plan.step,
+                    skipped_batches=window)
+        return None
 
     def _report_step(self, r: StepResult) -> None:
         tps = self.step_fn.tokens_per_step / r.seconds if r.seconds > 0 else 0.0
@@ -152,7 +215,7 @@ class Trainer:
         first = self.step
         self.reporter.emit("start", step=first, device=str(self.device), **self.layout.describe())
         reason = "completed"
-        cid, action, _ = self._agree(None)
+        cid, action, _, _ = self._agree()
         while True:
             if action:
                 stop = self._obey(cid, action)
@@ -165,14 +228,18 @@ class Trainer:
                 self.save()
                 reason = "paused"
                 break
+            self.injector.before_step(self.step + 1, self.step_fn.engine.module)
             result = self.step_fn.run(self.step)
             self.step += 1
             self.tokens_seen += self.step_fn.tokens_per_step
             self._report_step(result)
-            cid, action, nonfinite = self._agree(result)
-            if nonfinite:
-                self.reporter.emit("fault", cause="nan", step=self.step,
-                                   detail=f"loss={result.loss} grad_norm={result.grad_norm}")
+            cid, action, bad, spike = self._agree(*self._verdict(result))
+            if bad or spike:
+                stop = self._recover("nan" if bad else "spike", result)
+                if stop:
+                    reason = stop
+                    break
+                continue
             if interval and self.step % interval == 0 and self.step < steps:
                 self.save()
         if reason == "completed" and self.step > first:

@@ -1,0 +1,60 @@
+"""Fault drills at the trainer level, real processes under the real elastic agent (torchrun),
+gloo on CPU, at (TP, PP, DP) = (2, 2, 1)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from support import losses, records, torchrun, worker_env
+
+SETS = ["train.steps=8", "train.warmup_steps=2", "parallel.tp=2", "parallel.pp=2",
+        "checkpoint.interval=2"]
+
+
+def _inject(run_dir, **req):
+    (run_dir / "control").mkdir(parents=True, exist_ok=True)
+    (run_dir / "control" / "inject.json").write_text(json.dumps({"id": 1, **req}))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_nan_rolls_back_and_equals_a_run_that_skipped_the_window(tmp_path):
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    torchrun(ref, 4, sets=SETS + ["data.skip_batches=[[4, 5]]"])
+    _inject(run, kind="nan", rank=1, at_step=5)  # rank 1: stage 0, second TP rank
+    torchrun(run, 4, sets=SETS)
+    faults = records(run, 0, "fault")
+    assert [(f["cause"], f["step"]) for f in faults] == [("nan", 5)]
+    assert "loss=nan" in faults[0]["detail"]
+    rec = records(run, 0, "recovery")
+    assert len(rec) == 1 and rec[0]["recovered_to"] == 4 and rec[0]["skipped_batches"] == [4, 5]
+    assert rec[0]["steps_lost"] == 1
+    want, got = losses(ref), losses(run)
+    assert sorted(got) == list(range(1, 9))
+    for step in range(1, 9):
+        assert got[step] == pytest.approx(want[step], rel=1e-6, abs=0), step
+    # the skip is part of the data position of later checkpoints
+    manifest = json.loads((run / "store" / "tiny" / "ckpt" / "step-00000008" / "MANIFEST.json")
+                          .read_text())
+    assert manifest["data_position"]["skip_batches"] == [[4, 5]]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_crashed_worker_is_restarted_by_the_agent_and_resumes(tmp_path):
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    torchrun(ref, 4, sets=SETS)
+    _inject(run, kind="crash", rank=2, at_step=6)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+           "--max-restarts=2", "-m", "ds3d.trainer.worker", "--run-dir", str(run),
+           "--config", "tiny"] + sum((["--set", s] for s in SETS), [])
+    proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    starts = records(run, 0, "start")
+    assert [(s["restart"], s["step"]) for s in starts] == [(0, 0), (1, 4)]
+    assert (run / "control" / "inject-done-1").read_text() == "6"
+    want, got = losses(ref), losses(run)
+    for step in range(1, 9):
+        assert got[step] == pytest.approx(want[step], rel=1e-6, abs=0), step

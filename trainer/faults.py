@@ -1,0 +1,133 @@
+"""Fault detection inside the step loop, and fault injection for rehearsals.
+
+Detection is local and cheap (the loss and gradient norm every rank already has); the decision
+is collective: the loop folds each rank's verdict into its one per-step all-reduce, so a NaN on
+one rank becomes the same rollback on all ranks (a rank-0-only decision once let other ranks'
+bad gradients through).
+
+Injection ("chaos drills") is requested by the daemon through `control/inject.json`
+{"id", "kind": nan|hang|crash|slow, "rank", "at_step"} and only works when the daemon runs with
+--enable-fault-injection (the daemon refuses to write the file otherwise). A fault fires once:
+before acting, the target rank records `control/inject-done-<id>`, so a restarted worker does not
+crash again at the same step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections import deque
+from pathlib import Path
+
+import torch
+
+from .config import FaultsConfig
+
+EXIT_INJECTED_CRASH = 13
+
+
+class SpikeDetector:
+    """A loss above the running median by k median-absolute-deviations for m steps in a row."""
+
+    def __init__(self, cfg: FaultsConfig) -> None:
+        self.cfg = cfg
+        self.history: deque[float] = deque(maxlen=cfg.spike_window)
+        self.run = 0
+
+    def observe(self, loss: float) -> bool:
+        spike = False
+        if len(self.history) >= min(self.cfg.spike_window, 10):
+            med = statistics.median(self.history)
+            mad = statistics.median(abs(x - med) for x in self.history) or 1e-8
+            above = loss > med + self.cfg.spike_mads * mad
+            self.run = self.run + 1 if above else 0
+            spike = self.run >= self.cfg.spike_patience
+        if not spike:
+            self.history.append(loss)  # spikes do not raise the baseline they are judged by
+        return spike
+
+    def reset(self) -> None:
+        self.history.clear()
+        self.run = 0
+
+
+class RollbackBudget:
+    """At most `max_rollbacks` within `rollback_window_steps`: beyond that the job pauses and
+    asks for a person instead of looping on the same fault forever."""
+
+    def __init__(self, cfg: FaultsConfig) -> None:
+        self.cfg = cfg
+        self.at_steps: list[int] = []
+
+    def allow(self, step: int) -> bool:
+        self.at_steps = [s for s in self.at_steps if step - s < self.cfg.rollback_window_steps]
+        if len(self.at_steps) >= self.cfg.max_rollbacks:
+            return False
+        self.at_steps.append(step)
+        return True
+
+
+class FaultInjector:
+    """Acts on the daemon's injected fault for this rank (rehearsals only)."""
+
+    def __init__(self, run_dir: Path, rank: int) -> None:
+        self.control = run_dir / "control"
+        self.rank = rank
+        self.slow = False
+        self._mtime = 0.0
+        self._pending: dict | None = None
+
+    def _poll(self) -> dict | None:
+        path = self.control / "inject.json"
+        try:
+            mtime = path.stat().st_mtime
+        except FileNotFoundError:
+            return None
+        if mtime != self._mtime:
+            self._mtime = mtime
+            try:
+                req = json.loads(path.read_text())
+            except json.JSONDecodeError:
+                return None
+            done = self.control / f"inject-done-{req.get('id')}"
+            mine = int(req.get("rank", -1)) == self.rank
+            self._pending = req if mine and not done.exists() else None
+        return self._pending
+
+    def before_step(self, step: int, model: torch.nn.Module) -> str | None:
+        """Called before training step `step` (1-based number of the step about to finish);
+        returns the kind of fault injected now, if any."""
+        if self.slow:
+            time.sleep(0.5)
+        req = self._poll()
+        if req is None or int(req.get("at_step", step)) > step:
+            return None
+        (self.control / f"inject-done-{req['id']}").write_text(str(step))
+        self._pending = None
+        kind = req["kind"]
+        if kind == "crash":
+            os._exit(EXIT_INJECTED_CRASH)
+        elif kind == "hang":
+            while True:
+                time.sleep(3600)
+        elif kind == "slow":
+            self.slow = True
+        elif kind == "nan":
+            _poison_next_forward(model)
+        return kind
+
+
+def _poison_next_forward(model: torch.nn.Module) -> None:
+    """The next forward output of this rank's first layer becomes NaN (once): a NaN that comes
+    from one batch, as bad data or an overflow would produce it."""
+    layers = getattr(model, "forward_funcs", None) or list(model.children()) or [model]
+    first = next(layer for layer in layers if isinstance(layer, torch.nn.Module))
+    handle = None
+
+    def hook(_module, _inputs, output):
+        handle.remove()
+        return output * float("nan") if torch.is_floating_point(output) else output
+
+    handle = first.register_forward_hook(hook)
