@@ -67,6 +67,7 @@ class Trainer:
                                layout.pp_size, layout.dp_size), device, self.reporter.emit)
         rollback = self._read_rollback() if env.rank == 0 else None
         plan = self.ckpt.plan_restore(rollback) if cfg.checkpoint.load else None
+        self.reporter.emit("heartbeat", step=plan.step if plan else 0, phase="build")
         self.step_fn = TrainStep(cfg, layout, device, load_universal=bool(plan and plan.universal))
         if plan is not None:
             self._load(plan, rollback)

@@ -1,0 +1,497 @@
+"""GPU benchmark of the trainer and checkpoints, every number against a baseline of the same run.
+
+One command does it all (each section in its own process, for a clean CUDA context); results are
+appended to --out after every section, so a run cut short still leaves what it measured:
+
+    python bench/gpu_bench.py --out bench/results/gpu.json            # ~1.4B GPT, one GPU
+    python bench/gpu_bench.py --quick --device cpu --out /tmp/x.json   # dry run of the code paths
+
+Sections:
+  peak          bf16 matmul TFLOP/s (8192^3) and device-to-host GB/s into pinned / pageable memory
+  plain         the same model in a minimal PyTorch loop (autocast bf16, SDPA, fused AdamW)
+  plain_compile the same + torch.compile
+  deepspeed     plain DeepSpeed: the same PipelineModule through deepspeed.initialize/train_batch,
+                ZeRO-1, bf16, without ds3d's loop (no reports, no per-step agreement, no faults)
+  ds3d          ds3d's whole worker loop (Trainer.run): reports, fault checks, command polling
+  ds3d_compile  the same with train.compile = true (DeepSpeed engine.compile())
+  profile       where the step time goes: CUDA kernel time by category (torch.profiler)
+  checkpoint    training-blocked time of a save: DeepSpeed's synchronous save_checkpoint vs ds3d's
+                snapshot, against the floor = state bytes / measured pinned D2H bandwidth
+  restore       process start -> first step after a restart, split into its parts
+
+MFU counts (6 N T + 12 L d s T) FLOPs per step (T tokens, s sequence length; attention's
+score and value matmuls, forward and backward) against 989 TFLOP/s (H100/H200 dense bf16
+datasheet) and against the matmul peak measured in the `peak` section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SECTIONS = ["peak", "plain", "plain_compile", "deepspeed", "ds3d", "ds3d_compile", "profile",
+            "checkpoint", "restore"]
+DATASHEET_BF16_TFLOPS = 989.0
+
+
+# -- shared set-up ---------------------------------------------------------------------------
+
+
+def job_sets(args) -> list[str]:
+    dev = args.device
+    if args.quick:
+        model = ["model.vocab_size=8192", "model.d_model=512", "model.n_layers=4",
+                 "model.n_heads=4", "model.seq_len=256", "train.micro_batch_size=2"]
+    else:  # the gpt1b preset: d 2048, 24 layers, 16 heads of 128, seq 2048
+        model = ["train.micro_batch_size=8"]
+    prec = "bf16" if dev == "cuda" else "fp32"
+    return model + ["train.grad_accum_steps=1", "train.global_batch_size=" +
+                    ("2" if args.quick else "8"), f"train.precision=\"{prec}\"",
+                    "parallel.zero_stage=1", "parallel.activation_checkpoint_interval=0",
+                    f"launch.device=\"{dev}\"", "train.steps=100000", "train.warmup_steps=10",
+                    "checkpoint.interval=0"]
+
+
+def build_cfg(args, extra: list[str] | None = None):
+    from ds3d.trainer.config import build_job_config
+
+    return build_job_config("gpt1b", job_sets(args) + (extra or []), name="bench")
+
+
+def flops_per_step(cfg) -> float:
+    m = cfg.model
+    tokens = cfg.train.global_batch(1) * m.seq_len
+    return 6 * m.n_params() * tokens + 12 * m.n_layers * m.d_model * m.seq_len * tokens
+
+
+def single_process_env() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+        os.environ.setdefault(k, v)
+
+
+def sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def summarize_steps(times: list[float], cfg, peak: float | None) -> dict:
+    med = statistics.median(times)
+    tokens = cfg.train.global_batch(1) * cfg.model.seq_len
+    out = {"step_s": med, "step_s_min": min(times), "step_s_max": max(times),
+           "tokens_per_s": tokens / med, "steps_timed": len(times),
+           "mfu_datasheet": flops_per_step(cfg) / med / (DATASHEET_BF16_TFLOPS * 1e12)}
+    if peak:
+        out["mfu_measured_peak"] = flops_per_step(cfg) / med / (peak * 1e12)
+    return out
+
+
+def engine_stack(args, extra=None):
+    """dist + layout + DeepSpeed engine for one process (NCCL on GPU, gloo on CPU)."""
+    import torch
+    from datetime import timedelta
+
+    from ds3d.trainer.engine import TrainStep
+    from ds3d.trainer.layout import ParallelLayout, ProcessEnv, init_distributed, pick_device
+
+    single_process_env()
+    cfg = build_cfg(args, extra)
+    device = pick_device(cfg, 0)
+    init_distributed(device, timedelta(minutes=10))
+    layout = ParallelLayout(cfg, ProcessEnv.from_env())
+    torch.manual_seed(0)
+    return cfg, device, layout, TrainStep
+
+
+# -- sections --------------------------------------------------------------------------------
+
+
+def sec_peak(args) -> dict:
+    import torch
+
+    if args.device != "cuda":
+        return {"skipped": "no GPU"}
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(5):
+        a @ b
+    times = []
+    for _ in range(30):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        a @ b
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    tflops = 2 * n**3 / statistics.median(times) / 1e12
+    size = 4 << 30
+    src = torch.empty(size, dtype=torch.uint8, device="cuda").random_()
+    pinned = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    pageable = torch.empty(size, dtype=torch.uint8)
+    bw = {}
+    for name, dst in (("pinned", pinned), ("pageable", pageable)):
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=(name == "pinned"))
+            torch.cuda.synchronize()
+            ts.append(time.perf_counter() - t0)
+        bw[name] = size / min(ts) / 1e9
+    return {"gpu": torch.cuda.get_device_name(), "bf16_matmul_tflops": tflops,
+            "d2h_pinned_GBps": bw["pinned"], "d2h_pageable_GBps": bw["pageable"]}
+
+
+def sec_plain(args, compile_: bool = False) -> dict:
+    """A minimal PyTorch loop: no DeepSpeed, no ds3d; fp32 master weights, autocast bf16."""
+    import torch
+
+    from ds3d.trainer.model import GPTSequential
+    from ds3d.trainer.tensor_parallel import TPGroup
+    from ds3d.trainer.data import BatchPlan
+
+    cfg = build_cfg(args)
+    device = torch.device(args.device)
+    with torch.device(device):
+        model = GPTSequential(cfg, TPGroup(None, 0, 1))
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight") and p.dim() >= 2]
+    other = [p for n, p in model.named_parameters() if not (n.endswith("weight") and p.dim() >= 2)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": other, "weight_decay": 0.0}], lr=1e-4,
+                            fused=device.type == "cuda")
+    step_model = torch.compile(model) if compile_ else model
+    plan = BatchPlan(cfg, 1, 0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    times, first = [], None
+    for step in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        for x, y in plan.step_iterator(step):
+            x, y = torch.from_numpy(x).to(device), torch.from_numpy(y).to(device)
+            with torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda"):
+                loss = step_model(x, y)
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss.item()
+        sync(device)
+        dt = time.perf_counter() - t0
+        first = dt if first is None else first
+        if step >= args.warmup:
+            times.append(dt)
+    out = summarize_steps(times, cfg, args.peak)
+    out.update(first_step_s=first, final_loss=float(loss))
+    if device.type == "cuda":
+        out["max_memory_GiB"] = torch.cuda.max_memory_allocated() / 2**30
+    return out
+
+
+def sec_deepspeed(args, compile_: bool = False) -> dict:
+    import torch
+
+    cfg, device, layout, TrainStep = engine_stack(args, ["train.compile=true"] if compile_ else [])
+    step_fn = TrainStep(cfg, layout, device)
+    times, first = [], None
+    for step in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        r = step_fn.run(step)
+        sync(device)
+        dt = time.perf_counter() - t0
+        first = dt if first is None else first
+        if step >= args.warmup:
+            times.append(dt)
+    out = summarize_steps(times, cfg, args.peak)
+    out.update(first_step_s=first, final_loss=r.loss)
+    if device.type == "cuda":
+        out["max_memory_GiB"] = torch.cuda.max_memory_allocated() / 2**30
+    return out
+
+
+def sec_ds3d(args, compile_: bool = False) -> dict:
+    """ds3d's whole worker loop; the step time is the wall time between consecutive step
+    reports, so everything the loop adds (reports, agreement all-reduce, polling) is in it."""
+    import torch
+
+    from ds3d.trainer.layout import ProcessEnv
+    from ds3d.trainer.loop import Trainer
+    from ds3d.trainer.report import report_path
+
+    extra = [f"train.steps={args.warmup + args.steps}"] + (["train.compile=true"] if compile_ else [])
+    cfg, device, layout, _ = engine_stack(args, extra)
+    run_dir = Path(tempfile.mkdtemp(prefix="ds3d-bench-"))
+    trainer = Trainer(cfg, run_dir, ProcessEnv.from_env(), layout, device)
+    trainer.save = lambda: None  # the final save is measured in `checkpoint`, not here
+    trainer.run()
+    trainer.close()
+    recs = [json.loads(line) for line in report_path(run_dir, 0).read_text().splitlines()]
+    stamps = [r["time"] for r in recs if r["kind"] == "step"]
+    start = next(r["time"] for r in recs if r["kind"] == "start")
+    deltas = [b - a for a, b in zip(stamps, stamps[1:])][args.warmup - 1:]
+    out = summarize_steps(deltas, cfg, args.peak)
+    out["first_step_s"] = stamps[0] - start
+    out["final_loss"] = next(r["loss"] for r in reversed(recs) if r["kind"] == "step")
+    out["step_s_inside_engine"] = statistics.median(
+        [r["step_time_s"] for r in recs if r["kind"] == "step"][args.warmup:])
+    if device.type == "cuda":
+        out["max_memory_GiB"] = torch.cuda.max_memory_allocated() / 2**30
+    return out
+
+
+def sec_profile(args) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cfg, device, layout, TrainStep = engine_stack(args)
+    step_fn = TrainStep(cfg, layout, device)
+    for step in range(args.warmup):
+        step_fn.run(step)
+    sync(device)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    n = 3
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        for step in range(args.warmup, args.warmup + n):
+            step_fn.run(step)
+        sync(device)
+    wall = (time.perf_counter() - t0) / n
+    cats: dict[str, float] = {}
+    top: list[tuple[str, float]] = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", 0.0) or getattr(ev, "cuda_time_total", 0.0)
+        if device.type != "cuda" or t <= 0 or ev.device_type.name != "CUDA":
+            continue
+        name = ev.key.lower()
+        cat = ("matmul" if any(k in name for k in ("gemm", "cutlass", "xmma", "sm90", "nvjet"))
+               else "attention" if any(k in name for k in ("flash", "fmha", "attention"))
+               else "communication" if "nccl" in name
+               else "memcpy" if "memcpy" in name or "memset" in name
+               else "optimizer" if "adam" in name or "multi_tensor" in name
+               else "other (elementwise, norms, softmax, loss)")
+        cats[cat] = cats.get(cat, 0.0) + t / 1e6 / n
+        top.append((ev.key[:90], t / 1e6 / n))
+    busy = sum(cats.values())
+    top.sort(key=lambda kv: -kv[1])
+    return {"step_wall_s": wall, "kernel_busy_s": busy,
+            "idle_or_host_s": max(0.0, wall - busy),
+            "by_category_s": dict(sorted(cats.items(), key=lambda kv: -kv[1])),
+            "top_kernels_s": top[:12]}
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def sec_checkpoint(args) -> dict:
+    import shutil
+
+    import torch
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    from ds3d.checkpoints.engine_io import CheckpointManager, Rank
+
+    cfg, device, layout, TrainStep = engine_stack(args, ["checkpoint.keep_last=2"])
+    step_fn = TrainStep(cfg, layout, device)
+    engine = step_fn.engine
+    work = Path(args.work)
+    run_dir = work / "ckpt-run"
+    ckpt = CheckpointManager(cfg, run_dir, Rank(0, 1, 0, 1, 1, 1), device, lambda *a, **k: None)
+    out: dict = {"sync_blocked_s": [], "ds3d_blocked_s": [], "ds3d_host_copy_s": [],
+                 "ds3d_time_to_committed_s": []}
+    step = 0
+    for i in range(2):
+        step_fn.run(step)
+        step += 1
+        sync(device)
+        engine.checkpoint_engine = TorchCheckpointEngine()
+        sync_dir = work / "sync"
+        t0 = time.perf_counter()
+        engine.save_checkpoint(str(sync_dir), tag=f"s{i}", save_latest=False)
+        sync(device)
+        out["sync_blocked_s"].append(time.perf_counter() - t0)
+        out["state_bytes"] = _dir_bytes(sync_dir / f"s{i}")
+        shutil.rmtree(sync_dir)
+        step_fn.run(step)
+        step += 1
+        sync(device)
+        t0 = time.perf_counter()
+        blocked = ckpt.save(engine, step, {"iteration": step}, step, {"step": step})
+        out["ds3d_blocked_s"].append(blocked)
+        out["ds3d_host_copy_s"].append(ckpt.snapshot.copy_seconds)
+        # training continues while the checkpoint is written and committed
+        t_train = time.perf_counter()
+        k = 0
+        while not ckpt.uploader.wait(timeout=0.001) or not ckpt.snapshot._jobs.empty():
+            step_fn.run(step)
+            step += 1
+            k += 1
+            if k >= 50:
+                break
+        ckpt.wait_uploads(900)
+        out["ds3d_time_to_committed_s"].append(time.perf_counter() - t0)
+        out.setdefault("steps_trained_during_background_write", []).append(k)
+        out.setdefault("train_time_during_background_write_s", []).append(
+            time.perf_counter() - t_train)
+    ckpt.close()
+    if args.d2h_pinned:
+        out["floor_s"] = out["state_bytes"] / (args.d2h_pinned * 1e9)
+        out["ds3d_blocked_over_floor"] = out["ds3d_blocked_s"][-1] / out["floor_s"]
+    out["ds3d_blocked_over_sync"] = out["ds3d_blocked_s"][-1] / out["sync_blocked_s"][-1]
+    out["note"] = "index 0 = first save (allocates the pinned host buffers), 1 = steady state"
+    return out
+
+
+def sec_restore(args) -> dict:
+    """A fresh torchrun (agent, c10d rendezvous, worker) resuming the job `checkpoint` saved."""
+    run_dir = Path(args.work) / "ckpt-run"
+    if not (run_dir / "job.json").exists():
+        cfg = build_cfg(args, ["checkpoint.keep_last=2"])
+        (run_dir / "job.json").write_text(cfg.dump_json())
+    cfg_dict = json.loads((run_dir / "job.json").read_text()) if (run_dir / "job.json").exists() \
+        else None
+    from ds3d.trainer.config import JobConfig
+
+    cfg = build_cfg(args, ["checkpoint.keep_last=2"])
+    steps = None
+    store = run_dir / "store" / "bench" / "ckpt"
+    saved = sorted(int(p.name.split("-")[1]) for p in store.glob("step-*") if
+                   (p / "MANIFEST.json").exists()) if store.is_dir() else []
+    if not saved:
+        return {"skipped": "no committed checkpoint from the checkpoint section"}
+    steps = saved[-1] + 2
+    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"steps": steps})})
+    (run_dir / "job.json").write_text(cfg.dump_json())
+    env = dict(os.environ, DS_ACCELERATOR=args.device if args.device == "cuda" else "cpu",
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", NCCL_NVLS_ENABLE="0")
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node=1", "-m", "ds3d.trainer.worker", "--run-dir",
+                           str(run_dir)], env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"error": proc.stderr[-3000:]}
+    restart = max(json.loads(line)["restart"] for line in (run_dir / "reports" /
+                  "rank-00000.jsonl").read_text().splitlines())
+    recs = [json.loads(line) for line in (run_dir / "reports" / "rank-00000.jsonl").read_text()
+            .splitlines()]
+    pid = [r for r in recs if r["kind"] == "start"][-1]["pid"]
+    mine = [r for r in recs if r["pid"] == pid]
+
+    def first(kind, **kw):
+        return next(r["time"] for r in mine if r["kind"] == kind and
+                    all(r.get(k) == v for k, v in kw.items()))
+
+    init, build = first("heartbeat", phase="init"), first("heartbeat", phase="build")
+    load, loaded = first("heartbeat", phase="load"), first("checkpoint", phase="loaded")
+    step1 = first("step")
+    _ = (restart, cfg_dict, JobConfig)
+    return {"total_s": step1 - t0,
+            "parts_s": {"agent + rendezvous + python/torch/CUDA init": init - t0,
+                        "choose + verify checkpoint (sha256 of local copy)": build - init,
+                        "model + engine build": load - build,
+                        "checkpoint read into the engine": loaded - load,
+                        "first step": step1 - loaded},
+            "checkpoint_bytes": _dir_bytes(run_dir / "ckpt" / f"global_step{saved[-1]}")}
+
+
+# -- orchestration ---------------------------------------------------------------------------
+
+
+def run_section(name: str, args) -> dict:
+    fn = {"peak": sec_peak, "plain": sec_plain,
+          "plain_compile": lambda a: sec_plain(a, compile_=True),
+          "deepspeed": sec_deepspeed, "ds3d": sec_ds3d,
+          "ds3d_compile": lambda a: sec_ds3d(a, compile_=True),
+          "profile": sec_profile, "checkpoint": sec_checkpoint, "restore": sec_restore}[name]
+    return fn(args)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out", default="bench/results/gpu.json")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--quick", action="store_true", help="a small model (smoke test)")
+    ap.add_argument("--sections", default=",".join(SECTIONS))
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--section", help=argparse.SUPPRESS)
+    ap.add_argument("--work", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--peak", type=float, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--d2h-pinned", type=float, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.section:  # child: one section, result as the last line
+        result = run_section(args.section, args)
+        print("RESULT " + json.dumps(result, default=float), flush=True)
+        os._exit(0)  # skip teardown of NCCL/DeepSpeed state: the parent has what it needs
+
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="ds3d-gpu-bench-")
+    report: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "quick": args.quick,
+                    "command": " ".join(sys.argv), "sections": {}}
+    try:
+        import torch
+        import deepspeed
+
+        report.update(torch=torch.__version__, deepspeed=deepspeed.__version__,
+                      gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+    except Exception as e:  # recorded, not fatal: the sections report their own failures
+        report["env_error"] = repr(e)
+    for name in args.sections.split(","):
+        peak = report["sections"].get("peak", {})
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--section", name, "--device",
+               args.device, "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--work", work] + (["--quick"] if args.quick else [])
+        if peak.get("bf16_matmul_tflops"):
+            cmd += ["--peak", str(peak["bf16_matmul_tflops"]),
+                    "--d2h-pinned", str(peak["d2h_pinned_GBps"])]
+        t0 = time.perf_counter()
+        env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+                   NVSHMEM_DISABLE_NVLS="1", PYTHONUNBUFFERED="1",
+                   DS_ACCELERATOR="cuda" if args.device == "cuda" else "cpu")
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+        if lines:
+            res = json.loads(lines[-1][7:])
+        else:
+            res = {"error": f"exit {proc.returncode}", "stderr": proc.stderr[-4000:]}
+        res["section_wall_s"] = round(time.perf_counter() - t0, 1)
+        report["sections"][name] = res
+        out_path.write_text(json.dumps(report, indent=2, default=float) + "\n")
+        print(f"[{name}] {json.dumps(res, default=float)[:400]}", flush=True)
+    print_table(report)
+
+
+def print_table(report: dict) -> None:
+    s = report["sections"]
+    print("\nsetup            s/step   tokens/s   MFU(989)  MFU(meas.)  first step s")
+    for name in ("plain", "plain_compile", "deepspeed", "ds3d", "ds3d_compile"):
+        r = s.get(name, {})
+        if "step_s" in r:
+            print(f"{name:15} {r['step_s']:7.4f} {r['tokens_per_s']:10.0f} "
+                  f"{r['mfu_datasheet']:9.1%} {r.get('mfu_measured_peak', 0):10.1%} "
+                  f"{r.get('first_step_s', 0):12.1f}")
+    if "step_s" in s.get("ds3d", {}) and "step_s" in s.get("deepspeed", {}):
+        print(f"ds3d / plain DeepSpeed step time: {s['ds3d']['step_s'] / s['deepspeed']['step_s']:.4f}")
+    c = s.get("checkpoint", {})
+    if "ds3d_blocked_s" in c:
+        print(f"checkpoint: sync {c['sync_blocked_s']} s, ds3d blocked {c['ds3d_blocked_s']} s, "
+              f"floor {c.get('floor_s')} s, bytes {c.get('state_bytes')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""The trainer on a real GPU: NCCL backend, bf16 and fp16, NaN detection on GPU tensors.
+Skipped on machines without CUDA (pytest -m gpu runs them on the GPU machine)."""
+
+import json
+
+import pytest
+
+from support import losses, records, torchrun
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+
+GPU_ENV = {"DS_ACCELERATOR": "cuda", "NCCL_NVLS_ENABLE": "0"}
+BASE = ['launch.device="cuda"', "train.steps=10", "train.warmup_steps=2", "checkpoint.interval=2",
+        "model.d_model=256", "model.n_layers=4", "model.n_heads=4", "model.seq_len=256"]
+
+
+def _inject(run_dir, **req):
+    (run_dir / "control").mkdir(parents=True, exist_ok=True)
+    (run_dir / "control" / "inject.json").write_text(json.dumps({"id": 1, **req}))
+
+
+@pytest.mark.timeout(300)
+def test_bf16_trains_with_nccl(tmp_path):
+    torchrun(tmp_path, 1, sets=BASE + ['train.precision="bf16"', "parallel.pp=1"], env=GPU_ENV)
+    start = records(tmp_path, 0, "start")[0]
+    assert start["device"] == "cuda:0"
+    got = losses(tmp_path)
+    assert sorted(got) == list(range(1, 11))
+    assert got[10] < got[1] - 0.5
+
+
+@pytest.mark.timeout(300)
+def test_fp16_overflow_is_skipped_by_the_loss_scaler_not_rolled_back(tmp_path):
+    _inject(tmp_path, kind="nan", rank=0, at_step=4)
+    torchrun(tmp_path, 1, sets=BASE + ['train.precision="fp16"'], env=GPU_ENV)
+    steps = {r["step"]: r for r in records(tmp_path, 0, "step")}
+    assert steps[4]["skipped"] is True
+    assert steps[5]["loss_scale"] < steps[3]["loss_scale"]  # the scaler backed off
+    assert records(tmp_path, 0, "recovery") == []
+    assert sorted(steps) == list(range(1, 11))
+
+
+@pytest.mark.timeout(300)
+def test_bf16_nan_on_gpu_rolls_back_to_the_checkpoint(tmp_path):
+    _inject(tmp_path, kind="nan", rank=0, at_step=5)
+    torchrun(tmp_path, 1, sets=BASE + ['train.precision="bf16"'], env=GPU_ENV)
+    rec = records(tmp_path, 0, "recovery")
+    assert len(rec) == 1 and rec[0]["recovered_to"] == 4 and rec[0]["skipped_batches"] == [4, 5]
+    got = losses(tmp_path)
+    assert all(v == v for v in got.values())  # no NaN survives in the reported losses
+    assert sorted(got) == list(range(1, 11))
