@@ -24,6 +24,7 @@ from ds3d.checkpoints.engine_io import CheckpointManager, Rank
 from .config import JobConfig
 from .data import batch_index
 from .faults import FaultInjector, RollbackBudget, SpikeDetector
+from .tensorboard import TensorBoardLog
 from .engine import StepResult, TrainStep
 from .layout import ParallelLayout, ProcessEnv
 from .report import Reporter
@@ -71,6 +72,10 @@ class Trainer:
         self.step_fn = TrainStep(cfg, layout, device, load_universal=bool(plan and plan.universal))
         if plan is not None:
             self._load(plan, rollback)
+        self.tb = TensorBoardLog(cfg, run_dir, device, env.world_size, self.step_fn.plan.global_batch,
+                                 env.restart_count) if env.rank == 0 else None
+        if self.tb is not None:
+            self.tb.scalar("faults/restarts", env.restart_count, self.step)
 
     def _read_rollback(self) -> int | None:
         """`control/restore.json` {"step": N}: the daemon's rollback request for this start."""
@@ -120,6 +125,8 @@ class Trainer:
                                  self.tokens_seen, position)
         self.saved_step = self.step
         self.reporter.emit("checkpoint", step=self.step, phase="saved", blocked_s=round(blocked, 4))
+        if self.tb is not None:
+            self.tb.scalar("checkpoint/blocked_s", blocked, self.step)
         log.info("checkpoint saved", step=self.step, blocked_s=round(blocked, 3))
 
     # -- the loop -----------------------------------------------------------------------------
@@ -182,6 +189,8 @@ class Trainer:
         self.step = self.saved_step = plan.step
         self.tokens_seen = plan.manifest.tokens_seen
         self.spikes.reset()
+        if self.tb is not None:
+            self.tb.scalar(f"faults/rollback_{cause}", 1, failed)
         self.reporter.emit("recovery", cause=cause, step=failed, recovered_to=plan.step,
                            steps_lost=failed - plan.step, skipped_batches=list(window),
                            seconds=round(time.perf_counter() - t0, 3))
@@ -191,6 +200,8 @@ class Trainer:
 
     def _report_step(self, r: StepResult) -> None:
         tps = self.step_fn.tokens_per_step / r.seconds if r.seconds > 0 else 0.0
+        if self.tb is not None:
+            self.tb.step(self.step, r.loss, r.lr, r.grad_norm, r.loss_scale, tps, r.seconds)
         if self.env.rank == 0:
             self.reporter.emit("step", step=self.step, loss=r.loss, grad_norm=r.grad_norm, lr=r.lr,
                                loss_scale=r.loss_scale, tokens_per_s=round(tps, 1),
@@ -251,4 +262,6 @@ class Trainer:
     def close(self) -> None:
         """Waits for the last checkpoint's upload (and commit) before the process may exit."""
         self.ckpt.close()
+        if self.tb is not None:
+            self.tb.close()
         self.reporter.close()

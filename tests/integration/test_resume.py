@@ -24,3 +24,15 @@ def test_resume_reproduces_uninterrupted_losses(tmp_path):
     assert sorted(resumed) == list(range(1, 11))
     for step in range(1, 11):
         assert resumed[step] == pytest.approx(reference[step], rel=1e-6, abs=0), step
+    # TensorBoard event files, read back by tensorboard's own reader, cover both runs
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(split / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s",
+            "perf/step_time_s", "checkpoint/blocked_s", "faults/restarts"} <= tags
+    tb_loss = {e.step: e.value for e in acc.Scalars("train/loss")}
+    assert sorted(tb_loss) == list(range(1, 11))
+    assert tb_loss[7] == pytest.approx(resumed[7], rel=1e-6)
+    assert [e.step for e in acc.Scalars("checkpoint/blocked_s")] == [5, 10]

@@ -1,0 +1,68 @@
+"""TensorBoard event files of a job, written by rank 0 through torch's maintained writer.
+
+Files go to RUN_DIR/tensorboard (`ds3dctl logs JOB --tensorboard` prints the path); each
+restart of the worker group adds a file to the same folder, which TensorBoard reads as one run.
+MFU is logged where the accelerator's dense bf16 peak is known (datasheet values, or
+DS3D_PEAK_TFLOPS for other hardware).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from .config import JobConfig
+
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0,
+                    "L40S": 362.0, "B200": 2250.0}
+
+
+def device_peak_tflops(device: torch.device) -> float | None:
+    if os.environ.get("DS3D_PEAK_TFLOPS"):
+        return float(os.environ["DS3D_PEAK_TFLOPS"])
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+
+
+def flops_per_step(cfg: JobConfig, global_batch: int) -> float:
+    """6 N T for the dense matmuls plus 12 L d s T for attention's score and value products."""
+    m = cfg.model
+    tokens = global_batch * m.seq_len
+    return 6 * m.n_params() * tokens + 12 * m.n_layers * m.d_model * m.seq_len * tokens
+
+
+class TensorBoardLog:
+    def __init__(self, cfg: JobConfig, run_dir: Path, device: torch.device, world_size: int,
+                 global_batch: int, restart: int) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.path = Path(run_dir) / "tensorboard"
+        self.writer = SummaryWriter(log_dir=str(self.path), flush_secs=10)
+        peak = device_peak_tflops(device)
+        self.flops = flops_per_step(cfg, global_batch)
+        self.peak_total = peak * 1e12 * world_size if peak else None
+        self.restart = restart
+
+    def step(self, step: int, loss: float, lr: float, grad_norm: float | None,
+             loss_scale: float | None, tokens_per_s: float, step_time_s: float) -> None:
+        w = self.writer
+        w.add_scalar("train/loss", loss, step)
+        w.add_scalar("train/lr", lr, step)
+        if grad_norm is not None:
+            w.add_scalar("train/grad_norm", grad_norm, step)
+        if loss_scale is not None:
+            w.add_scalar("train/loss_scale", loss_scale, step)
+        w.add_scalar("perf/tokens_per_s", tokens_per_s, step)
+        w.add_scalar("perf/step_time_s", step_time_s, step)
+        if self.peak_total and step_time_s > 0:
+            w.add_scalar("perf/mfu", self.flops / step_time_s / self.peak_total, step)
+
+    def scalar(self, tag: str, value: float, step: int) -> None:
+        self.writer.add_scalar(tag, value, step)
+
+    def close(self) -> None:
+        self.writer.close()
