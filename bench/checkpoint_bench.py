@@ -65,8 +65,22 @@ def start_moto() -> tuple[subprocess.Popen, str]:
     raise RuntimeError("moto_server did not start")
 
 
-def bench_model(name: str, sets: list[str], work: Path, endpoint: str, repeats: int) -> dict:
-    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
+def start_rgw(work: Path):
+    """Ceph RGW (a production S3 server) through the test suite's own fixture code."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from fixtures.rgw import CephRgw, missing_binaries
+
+    if missing_binaries():
+        raise SystemExit(f"Ceph RGW needs {missing_binaries()} (apt-get install radosgw ceph-mon "
+                         "ceph-osd uuid-runtime)")
+    cluster = CephRgw(work / "ceph")
+    ep = cluster.start()
+    return cluster, ep.url, (ep.access_key, ep.secret_key)
+
+
+def bench_model(name: str, sets: list[str], work: Path, endpoint: str, repeats: int,
+                keys: tuple[str, str] = ("bench", "bench")) -> dict:
+    os.environ.update(AWS_ACCESS_KEY_ID=keys[0], AWS_SECRET_ACCESS_KEY=keys[1],
                       AWS_DEFAULT_REGION="us-east-1", AWS_ENDPOINT_URL=endpoint)
     s3 = boto3.client("s3", endpoint_url=endpoint)
     bucket = f"bench-{name}"
@@ -139,16 +153,26 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/checkpoint.json")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--server", choices=["moto", "rgw"], default="moto",
+                    help="S3 server on loopback: moto_server, or Ceph RGW (production server)")
     args = ap.parse_args()
     init_distributed(torch.device("cpu"), timeout=__import__("datetime").timedelta(minutes=5))
-    moto, endpoint = start_moto()
     work = Path(tempfile.mkdtemp(prefix="ds3d-ckpt-bench-"))
+    keys = ("bench", "bench")
+    if args.server == "moto":
+        server, endpoint = start_moto()
+        stop = server.terminate
+    else:
+        cluster, endpoint, keys = start_rgw(work)
+        stop = cluster.stop
     try:
-        results = [bench_model(n, s, work, endpoint, args.repeats) for n, s in MODELS.items()]
+        results = [bench_model(n, s, work, endpoint, args.repeats, keys)
+                   for n, s in MODELS.items()]
     finally:
-        moto.terminate()
+        stop()
         shutil.rmtree(work, ignore_errors=True)
     report = {"date": time.strftime("%Y-%m-%d"), "host": socket.gethostname(),
+              "s3_server": args.server,
               "cpus": os.cpu_count(), "torch": torch.__version__,
               "deepspeed": __import__("deepspeed").__version__, "results": results}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,7 @@
 #   bash bench/gpu_run.sh smoke   # GPU tests + a small-model pass over every bench section
 #   bash bench/gpu_run.sh full    # the ~1.4B benchmark, results to $OUT/gpu.json
 set -uo pipefail
-pip install -q --no-index --no-deps .wheels/*.whl 2>&1 | tail -2
+python3 -m pip install -q --no-index --no-deps .wheels/*.whl 2>&1 | grep -v "^WARNING: Running pip" | tail -3
 mkdir -p /tmp/ns/ds3d
 ln -sfn "$PWD/trainer" /tmp/ns/ds3d/trainer
 ln -sfn "$PWD/checkpoints" /tmp/ns/ds3d/checkpoints

@@ -178,6 +178,10 @@ class CheckpointManager:
             if deleted:
                 self.emit("checkpoint", step=ev.step, phase="retention", detail=f"deleted {deleted}")
 
+    def busy(self) -> bool:
+        """A checkpoint of this rank is still being written, uploaded or committed."""
+        return self.snapshot.busy() or bool(self.uploader.pending())
+
     def wait_uploads(self, timeout: float) -> bool:
         """Waits for this rank's writes and uploads (the commit too, on rank 0)."""
         self.snapshot.wait()

@@ -83,6 +83,10 @@ class SnapshotCheckpointEngine(CheckpointEngine):
 
     # -- ours -----------------------------------------------------------------------------------
 
+    def busy(self) -> bool:
+        """Writes or a commit still queued or running."""
+        return self._jobs.unfinished_tasks > 0
+
     def wait(self) -> None:
         """Blocks until every queued write and commit is done."""
         self._jobs.join()

@@ -72,9 +72,10 @@ class RollbackBudget:
 class FaultInjector:
     """Acts on the daemon's injected fault for this rank (rehearsals only)."""
 
-    def __init__(self, run_dir: Path, rank: int) -> None:
+    def __init__(self, run_dir: Path, rank: int, emit=None) -> None:
         self.control = run_dir / "control"
         self.rank = rank
+        self.emit = emit or (lambda *a, **k: None)
         self.slow = False
         self._mtime = 0.0
         self._pending: dict | None = None
@@ -107,6 +108,8 @@ class FaultInjector:
         (self.control / f"inject-done-{req['id']}").write_text(str(step))
         self._pending = None
         kind = req["kind"]
+        self.emit("fault", cause=f"injected_{kind}", step=step,
+                  detail=f"drill: injected {kind} on rank {self.rank} (request {req['id']})")
         if kind == "crash":
             os._exit(EXIT_INJECTED_CRASH)
         elif kind == "hang":

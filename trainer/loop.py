@@ -60,7 +60,7 @@ class Trainer:
         self.stop_at_step = stop_at_step
         self.step, self.tokens_seen, self.saved_step = 0, 0, -1
         self.reporter.emit("heartbeat", step=0, phase="init")
-        self.injector = FaultInjector(run_dir, env.rank)
+        self.injector = FaultInjector(run_dir, env.rank, self.reporter.emit)
         self.spikes, self.budget = SpikeDetector(cfg.faults), RollbackBudget(cfg.faults)
         self.fp16_skips = 0
         self.ckpt = CheckpointManager(

@@ -1,0 +1,91 @@
+"""The node agent process: torch.distributed.elastic running this node's share of the workers.
+
+Started by launcher.py as `python -m ds3d.daemon.agent --spec SPEC.json` in a session of its own,
+so that SIGKILL of ds3dd does not take the training with it. It runs `elastic_launch` with a c10d
+rendezvous on the job's store process (rendezvous.py) and the worker entry
+`python -m ds3d.trainer.worker --run-dir RUN_DIR`; the agent restarts a failed worker group up
+to `max_restarts` times by itself.
+
+On its way out it writes `control/agent-<attempt>.exit` (JSON: exit_code, error) atomically:
+after a daemon restart the agent is no longer the daemon's child, so its exit status can only be
+learned from that file. No file means the agent itself was killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def write_result(path: Path, exit_code: int, error: str = "") -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"exit_code": exit_code, "error": error, "time": time.time()}))
+    os.replace(tmp, path)
+
+
+def _write_pid_file(path: Path) -> None:
+    """pid + start time of this agent, written first thing: a daemon that died between starting
+    the agent and recording it finds the agent here (launcher.find)."""
+    import psutil
+
+    me = psutil.Process()
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"pid": me.pid, "started": me.create_time()}))
+    os.replace(tmp, path)
+
+
+def run(spec: dict[str, Any]) -> int:
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=spec["min_nodes"],
+        max_nodes=spec["max_nodes"],
+        nproc_per_node=spec["nproc_per_node"],
+        run_id=spec["run_id"],
+        role="ds3d",
+        rdzv_backend="c10d",
+        rdzv_endpoint=spec["rdzv_endpoint"],
+        rdzv_configs=spec["rdzv_configs"],
+        max_restarts=spec["max_restarts"],
+        monitor_interval=spec.get("monitor_interval", 0.5),
+        start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=spec["log_dir"], redirects=Std.ALL),
+        local_addr=spec.get("local_addr"),
+    )
+    entry = ["-m", spec["worker_module"], "--run-dir", spec["run_dir"]]
+    try:
+        elastic_launch(config, sys.executable)(*entry)
+    except ChildFailedError as e:
+        codes = {rank: f.exitcode for rank, f in e.failures.items()}
+        print(f"ds3d agent: worker group failed: exit codes by rank {codes}", flush=True)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m ds3d.daemon.agent")
+    ap.add_argument("--spec", type=Path, required=True, help="agent spec JSON (launcher.py)")
+    a = ap.parse_args(argv)
+    spec = json.loads(a.spec.read_text())
+    result = Path(spec["result_file"])
+    _write_pid_file(Path(spec["pid_file"]))
+    code, error = 1, ""
+    try:
+        code = run(spec)
+    except BaseException as e:  # noqa: BLE001 - recorded for the daemon, then re-raised
+        error = f"{type(e).__name__}: {e}"
+        write_result(result, 1 if not isinstance(e, SystemExit) else int(e.code or 0), error)
+        raise
+    write_result(result, code, error)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

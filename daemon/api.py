@@ -1,0 +1,226 @@
+"""The gRPC servicer: proto <-> domain conversion and request-shape checks only.
+
+Every method converts its request, calls JobService (or Shares for node-to-node calls) and
+converts the answer. A job request for a job headed by another daemon, of which this node runs a
+share, is passed on to that head unchanged (so `ds3dctl status` answers for the whole job on
+any of its nodes). Errors are raised as Ds3dError subclasses and mapped to status codes in one
+place (errors.ErrorInterceptor); nothing here catches exceptions, except ListJobs, which
+leaves out (and logs) a shared job whose head does not answer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+
+from ds3d.trainer.config import JOB_NAME_RE, JobConfig
+from ds3d.trainer.errors import ConfigError, Ds3dError
+from ds3d.v1 import control_pb2 as pb
+from ds3d.v1 import control_pb2_grpc as pb_grpc
+
+from .logging import get_logger
+from .peers import PeerClient, Shares
+from .service import JobService
+from .store import Event, Job
+
+VERSION = "0.1.0"
+_TERMINAL = (pb.COMPLETED, pb.FAILED, pb.STOPPED)
+log = get_logger("ds3d.rpc")
+
+
+def _name(name: str) -> str:
+    """Job names in requests: checked before any lookup (no path tricks reach the store)."""
+    if not name:
+        raise ConfigError("a job name is required")
+    if not JOB_NAME_RE.match(name):
+        raise ConfigError(f"job name {name!r} is not allowed: use 1-63 characters of a-z, 0-9, "
+                          "'.', '_' or '-', starting with a letter or digit")
+    return name
+
+
+def job_to_proto(job: Job) -> pb.JobStatus:
+    cfg = JobConfig.model_validate_json(job.config_json)
+    total = cfg.train.steps
+    eta = (total - job.step) * job.step_time_s if job.step_time_s > 0 else -1.0
+    spec = pb.JobSpec(
+        name=job.name, preset=cfg.preset or "", tp=cfg.parallel.tp, pp=cfg.parallel.pp,
+        dp=cfg.parallel.dp, zero_stage=cfg.parallel.zero_stage, nnodes=cfg.launch.nnodes,
+        total_steps=total, device=cfg.launch.device, n_params=cfg.model.n_params(),
+        config_json=job.config_json)
+    return pb.JobStatus(
+        spec=spec, state=job.state.value, desired_state=job.desired_state.value,
+        step=job.step, loss=job.loss if job.loss is not None else math.nan,
+        tokens_per_s=job.tokens_per_s, step_time_s=job.step_time_s,
+        eta_s=eta if job.state.live else 0.0, restarts=job.restarts,
+        last_checkpoint_step=job.last_ckpt_step, created_at=job.created_at,
+        updated_at=job.updated_at, message=job.message, node=job.node, run_dir=job.run_dir,
+        world_size=job.world_size)
+
+
+def event_to_proto(ev: Event) -> pb.Event:
+    return pb.Event(
+        seq=ev.seq, job=ev.job, time=ev.time, kind=ev.kind, from_state=ev.from_state,
+        to_state=ev.to_state, step=ev.step, rank=ev.rank, node=ev.node, restart=ev.restart,
+        cause=ev.cause, message=ev.message,
+        loss=ev.loss if ev.loss is not None else math.nan,
+        tokens_per_s=ev.tokens_per_s if ev.tokens_per_s is not None else 0.0,
+        detail_json=json.dumps(ev.detail, default=str))
+
+
+class ControlServicer(pb_grpc.ControlServicer):
+    def __init__(self, service: JobService, shares: Shares, node: str,
+                 peers: PeerClient | None = None) -> None:
+        self.service = service
+        self.shares = shares
+        self.node = node
+        self.peers = peers
+        self.started_at = time.time()
+
+    def _head(self, name: str) -> str | None:
+        """The head daemon's address when `name` is not headed here but this node runs (or
+        ran) a share of it; None to answer locally."""
+        if self.peers is None or not name or self.service.has(name):
+            return None
+        return self.shares.head_address(_name(name))
+
+    def _forwarded(self, method: str, request: Any) -> Any:
+        """The head's answer to `request` when the job is headed elsewhere, else None."""
+        head = self._head(getattr(request, "name", ""))
+        return None if head is None else self.peers.forward(head, method, request)  # type: ignore[union-attr]
+
+    def StartJob(self, request: pb.StartJobRequest,
+                 context: grpc.ServicerContext) -> pb.StartJobResponse:
+        if not request.config_json:
+            raise ConfigError("config_json is empty: send a JobConfig as JSON (ds3dctl start "
+                              "builds it from a preset or a TOML file)")
+        return pb.StartJobResponse(job=job_to_proto(self.service.start(request.config_json)))
+
+    def PauseJob(self, request: pb.PauseJobRequest,
+                 context: grpc.ServicerContext) -> pb.JobResponse:
+        if (fwd := self._forwarded("PauseJob", request)) is not None:
+            return fwd
+        return pb.JobResponse(job=job_to_proto(self.service.pause(_name(request.name),
+                                                                  request.fast)))
+
+    def ResumeJob(self, request: pb.ResumeJobRequest,
+                  context: grpc.ServicerContext) -> pb.JobResponse:
+        if (fwd := self._forwarded("ResumeJob", request)) is not None:
+            return fwd
+        return pb.JobResponse(job=job_to_proto(self.service.resume(_name(request.name))))
+
+    def StopJob(self, request: pb.StopJobRequest,
+                context: grpc.ServicerContext) -> pb.JobResponse:
+        if (fwd := self._forwarded("StopJob", request)) is not None:
+            return fwd
+        return pb.JobResponse(job=job_to_proto(self.service.stop(_name(request.name),
+                                                                 request.now)))
+
+    def GetJob(self, request: pb.JobRef,
+               context: grpc.ServicerContext) -> pb.JobResponse:
+        if (fwd := self._forwarded("GetJob", request)) is not None:
+            return fwd
+        return pb.JobResponse(job=job_to_proto(self.service.get(_name(request.name))))
+
+    def ListJobs(self, request: pb.ListJobsRequest,
+                 context: grpc.ServicerContext) -> pb.ListJobsResponse:
+        jobs = [job_to_proto(j) for j in self.service.list_jobs(request.include_finished)]
+        for name in self.shares.names():
+            if self._head(name) is None:
+                continue
+            try:
+                job = self._forwarded("GetJob", pb.JobRef(name=name)).job
+            except Ds3dError as e:
+                log.info("shared job not listed", job=name, error=str(e))
+                continue
+            if request.include_finished or job.state not in _TERMINAL:
+                jobs.append(job)
+        return pb.ListJobsResponse(jobs=jobs)
+
+    def WatchEvents(self, request: pb.WatchEventsRequest,
+                    context: grpc.ServicerContext) -> Iterator[pb.Event]:
+        name = _name(request.name) if request.name else ""
+        if request.after_seq < 0 or request.step_every < 0:
+            raise ConfigError("after_seq and step_every must be 0 or more")
+        for ev in self.service.events(name, request.after_seq, request.follow,
+                                      list(request.kinds), request.step_every,
+                                      context.is_active):
+            yield event_to_proto(ev)
+
+    def ListCheckpoints(self, request: pb.ListCheckpointsRequest,
+                        context: grpc.ServicerContext) -> pb.ListCheckpointsResponse:
+        if (fwd := self._forwarded("ListCheckpoints", request)) is not None:
+            return fwd
+        name = _name(request.name)
+        return pb.ListCheckpointsResponse(checkpoints=[
+            pb.Checkpoint(step=c.step, phase=c.phase, path=c.path, time=c.time,
+                          blocked_s=c.blocked_s, present=self.service.checkpoint_present(name, c))
+            for c in self.service.checkpoints(name)])
+
+    def SaveCheckpoint(self, request: pb.SaveCheckpointRequest,
+                       context: grpc.ServicerContext) -> pb.SaveCheckpointResponse:
+        if (fwd := self._forwarded("SaveCheckpoint", request)) is not None:
+            return fwd
+        return pb.SaveCheckpointResponse(command_id=self.service.save(_name(request.name)))
+
+    def Rollback(self, request: pb.RollbackRequest,
+                 context: grpc.ServicerContext) -> pb.JobResponse:
+        if (fwd := self._forwarded("Rollback", request)) is not None:
+            return fwd
+        return pb.JobResponse(job=job_to_proto(self.service.rollback(_name(request.name),
+                                                                     request.step)))
+
+    def GetLogs(self, request: pb.GetLogsRequest,
+                context: grpc.ServicerContext) -> pb.GetLogsResponse:
+        if request.tail_lines < 0:
+            raise ConfigError(f"tail_lines={request.tail_lines}: use 0 (default 200) or more")
+        files = self.service.logs(_name(request.name), request.tail_lines, request.source)
+        return pb.GetLogsResponse(files=[pb.LogFile(path=f.path, text=f.text, size=f.size)
+                                         for f in files])
+
+    def InjectFault(self, request: pb.InjectFaultRequest,
+                    context: grpc.ServicerContext) -> pb.InjectFaultResponse:
+        if (fwd := self._forwarded("InjectFault", request)) is not None:
+            return fwd
+        inj = self.service.inject(_name(request.name), request.kind, request.rank,
+                                  request.at_step)
+        return pb.InjectFaultResponse(id=inj.id, at_step=inj.at_step, path=str(inj.path))
+
+    # ---- node to node ----
+
+    def ShareControl(self, request: pb.ShareControlRequest,
+                     context: grpc.ServicerContext) -> pb.ShareControlResponse:
+        return pb.ShareControlResponse(present=self.shares.control(
+            _name(request.name), request.file, request.text))
+
+    def PullReports(self, request: pb.PullReportsRequest,
+                    context: grpc.ServicerContext) -> pb.PullReportsResponse:
+        if request.max_bytes < 0:
+            raise ConfigError("max_bytes must be 0 (default) or more")
+        chunks = self.shares.pull(_name(request.name), dict(request.offsets), request.max_bytes)
+        return pb.PullReportsResponse(node=self.node, present=chunks is not None,
+                                      chunks=chunks or [])
+
+    def StartShare(self, request: pb.StartShareRequest,
+                   context: grpc.ServicerContext) -> pb.StartShareResponse:
+        if request.head_node == self.node:
+            raise ConfigError(
+                f"StartShare from head node {request.head_node!r} reached a daemon of the same "
+                "node name: either launch.hosts lists the head twice, or two daemons share a "
+                "--node-name (give each daemon its own)")
+        handle = self.shares.start(request)
+        return pb.StartShareResponse(node=self.node, agent_pid=handle.ref.pid)
+
+    def StopShare(self, request: pb.StopShareRequest,
+                  context: grpc.ServicerContext) -> pb.StopShareResponse:
+        return pb.StopShareResponse(was_running=self.shares.stop(_name(request.name),
+                                                                 request.now))
+
+    def NodeStatus(self, request: pb.NodeStatusRequest,
+                   context: grpc.ServicerContext) -> pb.NodeStatusResponse:
+        return pb.NodeStatusResponse(node=self.node, version=VERSION,
+                                     started_at=self.started_at, shares=self.shares.status())

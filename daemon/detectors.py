@@ -1,0 +1,81 @@
+"""Fault detectors: small objects, one method over what the supervisor observed.
+
+Each returns a `Fault` or None; the supervisor asks every detector each tick and hands the faults
+to its restart policy. Faults the workers detect and recover from themselves (NaN, loss spike:
+agreed through an all-reduce, handled in-process) arrive as `fault` records and are only counted
+here; the daemon detects what the workers cannot report: a hang, a dead agent.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+from .reports import Observation
+from .states import JobState
+from .store import Job
+
+
+@dataclass(frozen=True)
+class Fault:
+    cause: str      # "hang", "agent_exit", ...
+    message: str    # what was seen, for the event log
+    restart: bool   # True: the worker group must be restarted from a checkpoint
+
+
+class Detector(Protocol):
+    def check(self, job: Job, obs: Observation, agent_exit: int | None) -> Fault | None: ...
+
+
+class HangDetector:
+    """No report from any rank for longer than a timeout derived from the measured step time:
+    `max(min_timeout_s, factor x median step time)`. The clock starts when this detector first
+    sees the job RUNNING, so a daemon restart gives the workers a full timeout again."""
+
+    def __init__(self, min_timeout_s: float = 120.0, factor: float = 20.0) -> None:
+        self.min_timeout_s = min_timeout_s
+        self.factor = factor
+        self._since: float | None = None
+        self._step_times: list[float] = []
+
+    def timeout_s(self) -> float:
+        if not self._step_times:
+            return self.min_timeout_s
+        return max(self.min_timeout_s, self.factor * statistics.median(self._step_times[-50:]))
+
+    def check(self, job: Job, obs: Observation, agent_exit: int | None) -> Fault | None:
+        if job.state is not JobState.RUNNING or agent_exit is not None:
+            self._since = None
+            return None
+        now = time.monotonic()
+        if self._since is None:
+            self._since = now
+        for rec in obs.kinds("step"):
+            t = rec.get("step_time_s")
+            if isinstance(t, int | float) and t > 0:
+                self._step_times.append(float(t))
+        last = max([self._since, *obs.last_seen.values()])
+        silent = now - last
+        if silent > self.timeout_s():
+            self._since = now
+            return Fault("hang", f"no report from any rank for {silent:.0f} s (timeout "
+                         f"{self.timeout_s():.0f} s)", restart=True)
+        return None
+
+
+class AgentExitDetector:
+    """The agent ended while the job should be training and the workers did not say they are
+    done: the agent's own restarts are spent, or it was killed."""
+
+    def check(self, job: Job, obs: Observation, agent_exit: int | None) -> Fault | None:
+        if agent_exit is None or job.desired_state is not JobState.RUNNING:
+            return None
+        if job.state not in (JobState.RUNNING, JobState.STARTING, JobState.RECOVERING):
+            return None
+        if agent_exit == 0 and job.done_reason:
+            return None
+        how = "was killed" if agent_exit < 0 else f"exited with code {agent_exit}"
+        return Fault("agent_exit", f"the elastic agent {how} before the workers finished",
+                     restart=True)

@@ -1,0 +1,88 @@
+"""The one place where ds3d errors become gRPC status codes.
+
+Servicer code raises `Ds3dError` subclasses (trainer/errors.py: each names its status as a
+string, so the trainer never imports grpc). `ErrorInterceptor` wraps every handler: a Ds3dError
+becomes its status code with its message; anything else is a bug, logged with its traceback and
+answered INTERNAL with a reference the operator can find in the daemon log — never the traceback.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+
+from ds3d.trainer.errors import Ds3dError, PermissionError_
+
+from .logging import get_logger
+
+log = get_logger("ds3d.rpc")
+
+
+class UnauthenticatedError(PermissionError_):
+    """No credentials at all (no bearer token); a wrong token stays PERMISSION_DENIED."""
+
+    grpc_code = "UNAUTHENTICATED"
+
+
+def status_code(err: Ds3dError) -> grpc.StatusCode:
+    """Ds3dError.grpc_code (a string) -> grpc.StatusCode; an unknown name is a bug -> INTERNAL."""
+    return getattr(grpc.StatusCode, err.grpc_code, grpc.StatusCode.INTERNAL)
+
+
+def _abort(context: grpc.ServicerContext, method: str, exc: BaseException) -> None:
+    if isinstance(exc, Ds3dError):
+        log.info("rpc refused", method=method, code=exc.grpc_code, error=str(exc))
+        context.abort(status_code(exc), str(exc))
+    ref = uuid.uuid4().hex[:12]
+    log.error("rpc failed", method=method, ref=ref, exc_info=exc)
+    context.abort(grpc.StatusCode.INTERNAL,
+                  f"internal error in {method.rsplit('/', 1)[-1]} (a bug in ds3dd); "
+                  f"the daemon log has the details under ref={ref}")
+
+
+def _already_aborted(context: grpc.ServicerContext) -> bool:
+    code = getattr(context, "code", None)
+    return callable(code) and code() not in (None, grpc.StatusCode.OK)
+
+
+class ErrorInterceptor(grpc.ServerInterceptor):
+    """Maps exceptions of unary and server-streaming handlers to status codes."""
+
+    def intercept_service(self, continuation: Callable[[Any], Any],
+                          handler_call_details: grpc.HandlerCallDetails) -> Any:
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        if handler.unary_unary is not None:
+            inner_uu = handler.unary_unary
+
+            def unary(request: Any, context: grpc.ServicerContext) -> Any:
+                try:
+                    return inner_uu(request, context)
+                except Exception as exc:
+                    if _already_aborted(context):
+                        raise
+                    _abort(context, method, exc)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        if handler.unary_stream is not None:
+            inner_us = handler.unary_stream
+
+            def stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+                try:
+                    yield from inner_us(request, context)
+                except Exception as exc:
+                    if _already_aborted(context):
+                        raise
+                    _abort(context, method, exc)
+
+            return grpc.unary_stream_rpc_method_handler(
+                stream, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        return handler

@@ -1,0 +1,148 @@
+"""The job directory: the contract between ds3dd and the trainer's workers.
+
+    STATE_DIR/jobs/<name>/
+        job.json                 JobConfig.dump_json(); the workers read it
+        reports/rank-XXXXX.jsonl per-rank records (trainer/report.py); the daemon tails them
+        ckpt/                    local checkpoint tier (written by the workers)
+        logs/                    agent.log, rendezvous.log, attempt-N/... worker stdout/stderr
+        control/command.json     daemon -> workers, written as tmp + rename:
+                                 {"id": n (increasing), "action": "save"|"pause"|"stop"|"stop_now",
+                                  "time": unix s, ...}
+        control/restore.json     daemon -> workers before a rollback: {"step": n, "id": n}
+        control/inject.json      daemon -> workers, drills only (ds3dd --enable-fault-injection):
+                                 {"id": n, "kind": "nan"|"hang"|"crash"|"slow", "rank": r,
+                                  "at_step": s, "time": unix s}
+        reports/nodes/<node>/rank-XXXXX.jsonl  head node only: copies of the records written on
+                                 the other nodes of a multi-node job (pulled by peer RPC)
+        control/agent-N.{json,exit}  agent spec and result (launcher.py, agent.py)
+
+Why files: a daemon that is down can still be heard on its return (reports), and workers can
+read a command at a step boundary without a server of their own (command.json).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from ds3d.trainer.config import JOB_NAME_RE
+from ds3d.trainer.errors import ConfigError
+
+ACTIONS = ("save", "pause", "stop", "stop_now")
+# Control files the head copies to the other nodes of a multi-node job: rank 0 (which reads
+# commands) and the rank named by an injection may run on any node.
+CONTROL_FILES = ("command.json", "restore.json", "inject.json")
+INJECT_KINDS = ("nan", "hang", "crash", "slow")
+
+
+class JobDir:
+    """Paths and atomic writes of one job's directory."""
+
+    def __init__(self, jobs_root: Path, name: str) -> None:
+        if not JOB_NAME_RE.match(name):
+            raise ConfigError(
+                f"job name {name!r} is not allowed: use 1-63 characters of a-z, 0-9, '.', '_' "
+                "or '-', starting with a letter or digit (it names a folder: no '/', '..' or "
+                "spaces)")
+        self.path = (jobs_root / name).resolve()
+        if self.path.parent != jobs_root.resolve():
+            raise ConfigError(f"job name {name!r} escapes the jobs folder")
+        self.name = name
+
+    @property
+    def job_json(self) -> Path:
+        return self.path / "job.json"
+
+    @property
+    def reports(self) -> Path:
+        return self.path / "reports"
+
+    @property
+    def ckpt(self) -> Path:
+        return self.path / "ckpt"
+
+    @property
+    def logs(self) -> Path:
+        return self.path / "logs"
+
+    @property
+    def control(self) -> Path:
+        return self.path / "control"
+
+    @property
+    def command_file(self) -> Path:
+        return self.control / "command.json"
+
+    def create(self, config_json: str) -> None:
+        for d in (self.reports, self.ckpt, self.logs, self.control):
+            d.mkdir(parents=True, exist_ok=True)
+        _atomic_write(self.job_json, config_json)
+
+    def write_command(self, command_id: int, action: str, **extra: Any) -> None:
+        if action not in ACTIONS:
+            raise ValueError(f"unknown worker command {action!r}")
+        _atomic_write(self.command_file, json.dumps(
+            {"id": command_id, "action": action, "time": round(time.time(), 3), **extra}))
+
+    def command(self) -> dict[str, Any] | None:
+        """The command file as last written (None if none yet or unreadable)."""
+        try:
+            return dict(json.loads(self.command_file.read_text()))
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def write_restore(self, step: int, request_id: int) -> None:
+        _atomic_write(self.control / "restore.json",
+                      json.dumps({"id": request_id, "step": step, "time": time.time()}))
+
+    @property
+    def inject_file(self) -> Path:
+        return self.control / "inject.json"
+
+    def write_inject(self, inject_id: int, kind: str, rank: int, at_step: int) -> str:
+        """Writes control/inject.json atomically; returns the text written."""
+        if kind not in INJECT_KINDS:
+            raise ValueError(f"unknown fault kind {kind!r}")
+        text = json.dumps({"id": inject_id, "kind": kind, "rank": rank, "at_step": at_step,
+                           "time": round(time.time(), 3)})
+        _atomic_write(self.inject_file, text)
+        return text
+
+    def inject(self) -> dict[str, Any] | None:
+        try:
+            return dict(json.loads(self.inject_file.read_text()))
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def write_control(self, file: str, text: str) -> None:
+        """A control file as the head wrote it (`text` "" removes it)."""
+        if file not in CONTROL_FILES:
+            raise ConfigError(f"control file {file!r} is not one of {', '.join(CONTROL_FILES)}")
+        if text:
+            _atomic_write(self.control / file, text)
+        else:
+            (self.control / file).unlink(missing_ok=True)
+
+    def report_files(self) -> list[Path]:
+        """This node's rank files, then the copies pulled from other nodes (reports/nodes/)."""
+        return sorted(self.reports.glob("rank-*.jsonl")) + \
+            sorted(self.reports.glob("nodes/*/rank-*.jsonl"))
+
+    def report_key(self, path: Path) -> str:
+        """A report file's name in the offsets table: relative to reports/ (a local file keeps
+        its bare name, as before multi-node copies existed)."""
+        return str(path.relative_to(self.reports))
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    """tmp + fsync + rename: a reader sees the old file or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)

@@ -1,0 +1,163 @@
+"""Starting, finding again and stopping a node's elastic agent for a job.
+
+The daemon never runs workers itself: it starts one agent process per job on this node (agent.py,
+torch.distributed.elastic) in its own session and records the agent's pid and start time. After a
+daemon restart `Launcher.attach` recognises a live agent by both (pid reuse safe); an agent that
+is gone is reported with the exit code from its result file, or None if it was killed.
+
+Environment the workers inherit through the agent:
+* `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` — DeepSpeed fails to re-initialise after an elastic
+  restart when the workers share the agent's rendezvous store (pytorch#135712);
+* `DS_ACCELERATOR=cpu` when the job's device is cpu (gloo backend);
+* `NCCL_NVLS_ENABLE=0` always (NVLink multicast off: it needs fabric setup these hosts lack);
+* `DS3D_RUN_DIR`, `DS3D_JOB`, `PYTHONUNBUFFERED=1`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from ds3d.trainer.config import JobConfig
+
+from .procs import ProcessRef, spawn_detached
+
+WORKER_MODULE = "ds3d.trainer.worker"
+
+# c10d rendezvous tuned for fast re-rendezvous after a node loss (FIELD-NOTES: ~8.5 s instead of
+# ~45 s); `is_host=False` because the store lives in its own process (rendezvous.py).
+RDZV_CONFIGS: dict[str, object] = {
+    "is_host": False,
+    "last_call_timeout": 5,
+    "keep_alive_interval": 1,
+    "keep_alive_max_attempt": 2,
+    "join_timeout": 600,
+    "read_timeout": 60,
+}
+
+
+@dataclass
+class AgentHandle:
+    """A running (or finished) agent: its durable identity and, while this daemon started it,
+    the Popen used to reap it and read its exit status."""
+
+    ref: ProcessRef
+    result_file: Path
+    popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    def poll(self) -> int | None:
+        """None while the agent runs; its exit code once it ended; -9 if it ended without a
+        result file (killed, so no code could be recorded)."""
+        if self.popen is not None:
+            code = self.popen.poll()
+            if code is None:
+                return None
+        elif self.ref.alive():
+            return None
+        try:
+            return int(json.loads(self.result_file.read_text())["exit_code"])
+        except (FileNotFoundError, ValueError, KeyError):
+            return self.popen.returncode if self.popen is not None else -9
+
+
+class Launcher:
+    """Builds the agent spec from a JobConfig and starts/stops agent processes."""
+
+    def __init__(self, worker_module: str = WORKER_MODULE, python: str = sys.executable,
+                 node_addr: str | None = None) -> None:
+        self.worker_module = worker_module
+        self.python = python
+        # the address other nodes reach this node's workers at (torch elastic's `local_addr`:
+        # MASTER_ADDR when global rank 0 runs here); None lets torch use the FQDN
+        self.node_addr = node_addr
+
+    def start(self, run_dir: Path, cfg: JobConfig, attempt: int, rdzv_endpoint: str,
+              run_id: str, local_addr: str | None = None) -> AgentHandle:
+        """Writes `control/agent-<attempt>.json` and starts the agent on it."""
+        nnodes = cfg.launch.nnodes
+        nproc = cfg.launch.nproc_per_node or cfg.parallel.world_size // nnodes
+        control = run_dir / "control"
+        control.mkdir(parents=True, exist_ok=True)
+        result_file = control / f"agent-{attempt}.exit"
+        result_file.unlink(missing_ok=True)
+        spec = {
+            "run_dir": str(run_dir),
+            "run_id": run_id,
+            "min_nodes": cfg.launch.min_nodes or nnodes,
+            "max_nodes": nnodes,
+            "nproc_per_node": nproc,
+            "rdzv_endpoint": rdzv_endpoint,
+            "rdzv_configs": RDZV_CONFIGS,
+            "max_restarts": cfg.launch.max_restarts,
+            "worker_module": self.worker_module,
+            "log_dir": str(run_dir / "logs" / f"attempt-{attempt}"),
+            "result_file": str(result_file),
+            "pid_file": str(control / f"agent-{attempt}.pid"),
+            "local_addr": local_addr or self.node_addr,
+        }
+        spec_file = control / f"agent-{attempt}.json"
+        spec_file.write_text(json.dumps(spec, indent=2))
+        env = dict(os.environ)
+        env.update({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "DS3D_RUN_DIR": str(run_dir),
+                    "DS3D_JOB": cfg.name, "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0"})
+        if cfg.launch.device == "cpu":
+            env["DS_ACCELERATOR"] = "cpu"
+            # intra-op threads share the node's cores among its workers (as torchrun does);
+            # 4 workers x all cores each thrash a small machine
+            per = max(1, (os.cpu_count() or 1) // max(1, nproc))
+            env.setdefault("OMP_NUM_THREADS", str(per))
+        popen, ref = spawn_detached(
+            [self.python, "-m", "ds3d.daemon.agent", "--spec", str(spec_file)],
+            run_dir / "logs" / "agent.log", env, run_dir)
+        return AgentHandle(ref, result_file, popen)
+
+    @staticmethod
+    def find(run_dir: Path, attempt: int) -> AgentHandle | None:
+        """The agent of `attempt` from the pid file it wrote itself (None if it never started):
+        covers a daemon killed after starting an agent but before recording it."""
+        try:
+            d = json.loads((run_dir / "control" / f"agent-{attempt}.pid").read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+        return Launcher.attach(run_dir, attempt, int(d["pid"]), float(d["started"]))
+
+    @staticmethod
+    def attach(run_dir: Path, attempt: int, pid: int, started: float) -> AgentHandle:
+        """The agent of `attempt` as recorded before a daemon restart (alive or not)."""
+        return AgentHandle(ProcessRef(pid, started),
+                           run_dir / "control" / f"agent-{attempt}.exit")
+
+
+def kill_strays(run_dir: Path, grace_s: float = 5.0) -> list[int]:
+    """Ends worker processes of `run_dir` whose agent is gone.
+
+    torch elastic starts each worker in a session of its own, so a SIGKILLed agent leaves its
+    workers running (still writing reports, still holding memory). Before a relaunch the daemon
+    finds them by their command line (`... --run-dir RUN_DIR`) and ends them: SIGTERM, then
+    SIGKILL after `grace_s`. Returns the pids it signalled."""
+    target = str(run_dir)
+    strays = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmd = p.info.get("cmdline") or []
+        if "--run-dir" in cmd and cmd.index("--run-dir") + 1 < len(cmd) and \
+                cmd[cmd.index("--run-dir") + 1] == target and "ds3d.daemon.agent" not in cmd:
+            strays.append(p)
+    for p in strays:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _gone, alive = psutil.wait_procs(strays, timeout=grace_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=5)
+    return [p.pid for p in strays]

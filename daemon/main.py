@@ -1,0 +1,93 @@
+"""`ds3dd`: the per-node ds3d daemon.
+
+    ds3dd --state-dir /var/lib/ds3d [--listen 127.0.0.1:7531 | unix:/run/ds3d.sock]
+          [--token-file F] [--tls-cert C --tls-key K --tls-ca CA] [--metrics-port P]
+          [--rdzv-host H] [--node-addr A] [--enable-fault-injection]
+
+Listening beyond loopback requires mutual TLS and a bearer token (auth.py). Startup problems
+are one clear line on stderr and exit code 2. SIGTERM/SIGINT stop the daemon; the jobs' agent
+processes keep running and are reattached by the next ds3dd on the same state directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+import threading
+from pathlib import Path
+
+from ds3d.trainer.errors import Ds3dError
+
+from .auth import read_token, tls_files
+from .launcher import WORKER_MODULE
+from .logging import configure, get_logger
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="ds3dd", description="ds3d per-node daemon")
+    ap.add_argument("--state-dir", type=Path, default=Path(os.environ.get(
+        "DS3D_STATE_DIR", "~/.ds3d")).expanduser(), help="database, job folders, daemon log")
+    ap.add_argument("--listen", default="127.0.0.1:7531",
+                    help="HOST:PORT (port 0 picks one) or unix:PATH; default 127.0.0.1:7531")
+    ap.add_argument("--node-name", default=socket.gethostname(), help="this node's name")
+    ap.add_argument("--token-file", help="file holding the bearer token clients must send")
+    ap.add_argument("--tls-cert", help="PEM certificate of this daemon")
+    ap.add_argument("--tls-key", help="PEM private key of this daemon")
+    ap.add_argument("--tls-ca", help="PEM CA that signs client and peer certificates")
+    ap.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    ap.add_argument("--rdzv-host", default="127.0.0.1",
+                    help="address the jobs' rendezvous stores bind to (the cluster network for "
+                    "multi-node jobs)")
+    ap.add_argument("--node-addr", default=None,
+                    help="address other nodes reach this node's workers at (MASTER_ADDR when "
+                    "rank 0 runs here); default: the host's FQDN")
+    ap.add_argument("--max-request-bytes", type=int, default=1 << 20,
+                    help="largest request accepted (bytes)")
+    ap.add_argument("--hang-timeout", type=float, default=120.0,
+                    help="fewest seconds without a worker report before a hang is declared")
+    ap.add_argument("--log-level", default="info")
+    ap.add_argument("--enable-fault-injection", action="store_true",
+                    help="accept fault-injection requests (drills only; off by default)")
+    ap.add_argument("--worker-module", default=WORKER_MODULE, help=argparse.SUPPRESS)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    state_dir: Path = args.state_dir
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        configure(state_dir / "ds3dd.log", args.node_name, args.log_level)
+        from .server import Daemon, DaemonOptions
+
+        token = read_token(args.token_file) if args.token_file else None
+        opts = DaemonOptions(
+            state_dir=state_dir, listen=args.listen, node=args.node_name, token=token,
+            tls=tls_files(args.tls_cert, args.tls_key, args.tls_ca),
+            metrics_port=args.metrics_port, max_request_bytes=args.max_request_bytes,
+            rdzv_host=args.rdzv_host, worker_module=args.worker_module, node_addr=args.node_addr,
+            hang_timeout_s=args.hang_timeout,
+            enable_fault_injection=args.enable_fault_injection)
+        daemon = Daemon(opts)
+        daemon.start()
+    except (Ds3dError, OSError) as e:
+        print(f"ds3dd: {e}", file=sys.stderr)
+        sys.exit(2)
+    done = threading.Event()
+
+    def _stop(signum: int, _frame: object) -> None:
+        get_logger("ds3d.daemon").info("signal", signal=signal.Signals(signum).name)
+        done.set()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    print(f"ds3dd: serving on {daemon.address}", flush=True)
+    done.wait()
+    daemon.close()
+
+
+if __name__ == "__main__":
+    main()

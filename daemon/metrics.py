@@ -1,0 +1,47 @@
+"""Prometheus metrics of one daemon (served on --metrics-port).
+
+Names follow Prometheus conventions (`_total` counters, base units: seconds, bytes). Labels are
+bounded: job names and a fixed set of causes/states, never ranks or steps.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from .states import JobState
+
+
+class Metrics:
+    """All metrics on their own registry, so that tests can create several daemons."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.job_state = Gauge("ds3d_job_state", "1 for the job's current state, 0 otherwise",
+                               ["job", "state"], registry=r)
+        self.step = Gauge("ds3d_job_step", "last completed optimizer step", ["job"], registry=r)
+        self.loss = Gauge("ds3d_job_loss", "training loss at the last step", ["job"], registry=r)
+        self.tokens_per_s = Gauge("ds3d_job_tokens_per_second",
+                                  "training throughput, tokens per second over all ranks",
+                                  ["job"], registry=r)
+        self.restarts = Counter("ds3d_job_restarts_total", "worker-group restarts by cause",
+                                ["job", "cause"], registry=r)
+        self.faults = Counter("ds3d_job_faults_total", "faults detected by cause",
+                              ["job", "cause"], registry=r)
+        self.checkpoint_blocked = Histogram(
+            "ds3d_checkpoint_blocked_seconds", "seconds training was blocked by a save",
+            ["job"], buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300), registry=r)
+        self.upload_bytes = Counter("ds3d_checkpoint_upload_bytes_total",
+                                    "checkpoint bytes uploaded to the durable tier", ["job"],
+                                    registry=r)
+        self.rpcs = Counter("ds3d_rpc_requests_total", "RPCs answered by method", ["method"],
+                            registry=r)
+
+    def set_state(self, job: str, state: JobState) -> None:
+        for s in JobState:
+            self.job_state.labels(job, s.name).set(1 if s is state else 0)
+
+    def serve(self, port: int, addr: str = "127.0.0.1") -> int:
+        """Starts the HTTP exporter; returns the bound port (port 0 picks a free one)."""
+        server, _thread = start_http_server(port, addr=addr, registry=self.registry)
+        return int(server.server_port)

@@ -1,0 +1,258 @@
+"""Node to node: the head daemon of a multi-node job asks the other nodes' daemons to start or
+stop their share of the workers, and asks how they are.
+
+Calls go over mutual TLS with the bearer token (the same credentials the daemons serve with):
+a daemon that listens beyond loopback always has both (auth.py). A daemon without TLS calls
+only loopback and unix-socket peers (several daemons on one machine, as in the tests); any other
+peer address is refused before a byte is sent.
+
+`Shares` is the receiving side: the agents this node runs for jobs headed elsewhere, each in
+`STATE_DIR/shares/<job>/` (a job directory like the head's). Besides starting and stopping its
+agent, the head copies control files into it (ShareControl: rank 0, which reads commands, may
+land on any node) and pulls its report records (PullReports) so that the head sees every rank.
+Running agents live in memory only (after a restart of this daemon the head re-issues StartShare
+on its next relaunch); the share's folder stays, so this node still knows which daemon heads the
+job and forwards job requests there (api.py).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from ds3d.trainer.config import JobConfig
+from ds3d.trainer.errors import ConfigError, Ds3dError, StorageError
+from ds3d.v1 import control_pb2 as pb
+from ds3d.v1 import control_pb2_grpc as pb_grpc
+
+from .auth import TlsFiles, is_local_address
+from .jobdir import JobDir
+from .launcher import AgentHandle, Launcher
+from .logging import get_logger
+
+log = get_logger("ds3d.peers")
+
+
+class PeerError(StorageError):
+    """A peer daemon could not be reached or refused (retryable: the node may come back)."""
+
+    retryable = True
+
+
+class ForwardedError(Ds3dError):
+    """The head daemon refused a request this node forwarded: same status, same message."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.grpc_code = code
+
+
+REPORT_FILE_RE = re.compile(r"^rank-\d{5,}\.jsonl$")
+PULL_MAX_BYTES = 4 << 20
+
+
+def check_peer_address(address: str, tls: TlsFiles | None) -> None:
+    """Peers beyond loopback only over mutual TLS (ConfigError naming the flags otherwise)."""
+    if tls is None and not is_local_address(address):
+        raise ConfigError(
+            f"node {address!r} is not on this machine: calls between daemons beyond loopback "
+            "need mutual TLS and a token; start every ds3dd with --tls-cert, --tls-key, "
+            "--tls-ca and --token-file (or use loopback/unix addresses for local nodes)")
+
+
+@dataclass(frozen=True)
+class PeerClient:
+    """Calls to other daemons with this daemon's client credentials."""
+
+    tls: TlsFiles | None
+    token: str | None
+    timeout_s: float = 30.0
+
+    def _stub(self, address: str) -> tuple[grpc.Channel, pb_grpc.ControlStub]:
+        try:
+            check_peer_address(address, self.tls)
+        except ConfigError as e:
+            raise PeerError(str(e)) from None
+        if self.tls is not None:
+            channel = grpc.secure_channel(address, self.tls.channel_credentials())
+        else:
+            channel = grpc.insecure_channel(address)
+        return channel, pb_grpc.ControlStub(channel)
+
+    def forward(self, address: str, method: str, request: Any) -> Any:
+        """A client RPC passed on to the head daemon of a job; its refusal comes back as the
+        same status and message (ForwardedError), an unreachable head as UNAVAILABLE."""
+        channel, stub = self._stub(address)
+        try:
+            return getattr(stub, method)(request, timeout=self.timeout_s, metadata=self._md())
+        except grpc.RpcError as e:
+            code = e.code()  # type: ignore[attr-defined]
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise PeerError(f"the job's head daemon {address} did not answer "
+                                f"({code.name}); ask it directly or retry") from None
+            raise ForwardedError(code.name, e.details()) from None  # type: ignore[attr-defined]
+        finally:
+            channel.close()
+
+    def share_control(self, address: str, name: str, file: str, text: str) -> bool:
+        channel, stub = self._stub(address)
+        try:
+            return bool(stub.ShareControl(pb.ShareControlRequest(name=name, file=file, text=text),
+                                          timeout=self.timeout_s, metadata=self._md()).present)
+        except grpc.RpcError as e:
+            raise PeerError(f"node {address}: ShareControl failed: {e.code().name}: "
+                            f"{e.details()}") from None
+        finally:
+            channel.close()
+
+    def pull_reports(self, address: str, name: str, offsets: dict[str, int],
+                     timeout_s: float = 5.0) -> pb.PullReportsResponse:
+        channel, stub = self._stub(address)
+        try:
+            return stub.PullReports(pb.PullReportsRequest(name=name, offsets=offsets),
+                                    timeout=timeout_s, metadata=self._md())
+        except grpc.RpcError as e:
+            raise PeerError(f"node {address}: PullReports failed: {e.code().name}: "
+                            f"{e.details()}") from None
+        finally:
+            channel.close()
+
+    def _md(self) -> list[tuple[str, str]]:
+        return [("authorization", f"Bearer {self.token}")] if self.token else []
+
+    def start_share(self, address: str, req: pb.StartShareRequest) -> pb.StartShareResponse:
+        channel, stub = self._stub(address)
+        try:
+            return stub.StartShare(req, timeout=self.timeout_s, metadata=self._md())
+        except grpc.RpcError as e:
+            raise PeerError(f"node {address}: StartShare failed: {e.code().name}: "
+                            f"{e.details()}") from None
+        finally:
+            channel.close()
+
+    def stop_share(self, address: str, name: str, now: bool) -> bool:
+        channel, stub = self._stub(address)
+        try:
+            return bool(stub.StopShare(pb.StopShareRequest(name=name, now=now),
+                                       timeout=self.timeout_s, metadata=self._md()).was_running)
+        except grpc.RpcError as e:
+            log.warning("StopShare failed", peer=address, job=name, code=e.code().name)
+            return False
+        finally:
+            channel.close()
+
+    def status(self, address: str) -> pb.NodeStatusResponse:
+        channel, stub = self._stub(address)
+        try:
+            return stub.NodeStatus(pb.NodeStatusRequest(), timeout=self.timeout_s,
+                                   metadata=self._md())
+        except grpc.RpcError as e:
+            raise PeerError(f"node {address}: NodeStatus failed: {e.code().name}") from None
+        finally:
+            channel.close()
+
+
+class Shares:
+    """Agents this node runs for jobs whose head is another node."""
+
+    def __init__(self, shares_root: Path, launcher: Launcher) -> None:
+        self.root = shares_root
+        self.launcher = launcher
+        self._agents: dict[str, AgentHandle] = {}
+        self._lock = threading.Lock()
+
+    def start(self, req: pb.StartShareRequest) -> AgentHandle:
+        try:
+            cfg = JobConfig.model_validate_json(req.config_json)
+        except ValueError as e:
+            raise ConfigError(f"StartShare: the job configuration does not parse: {e}") from None
+        if not req.rdzv_endpoint or not req.run_id:
+            raise ConfigError("StartShare needs rdzv_endpoint and run_id")
+        jobdir = JobDir(self.root, cfg.name)
+        with self._lock:
+            old = self._agents.get(cfg.name)
+            if old is not None and old.poll() is None:
+                old.ref.terminate()
+            jobdir.create(cfg.dump_json())
+            # commands were meant for the previous workers; the head re-sends what is pending
+            jobdir.command_file.unlink(missing_ok=True)
+            handle = self.launcher.start(jobdir.path, cfg, req.attempt, req.rdzv_endpoint,
+                                         req.run_id)
+            self._agents[cfg.name] = handle
+        log.info("share started", job=cfg.name, head=req.head_node, pid=handle.ref.pid)
+        return handle
+
+    def _jobdir(self, name: str) -> JobDir | None:
+        jobdir = JobDir(self.root, name)
+        return jobdir if jobdir.job_json.is_file() else None
+
+    def head_address(self, name: str) -> str | None:
+        """The address of the daemon heading `name`, if this node ran a share of it."""
+        jobdir = self._jobdir(name)
+        if jobdir is None:
+            return None
+        try:
+            hosts = JobConfig.model_validate_json(jobdir.job_json.read_text()).launch.hosts
+        except ValueError:
+            return None
+        return hosts[0] if hosts else None
+
+    def names(self) -> list[str]:
+        return sorted(p.parent.name for p in self.root.glob("*/job.json"))
+
+    def control(self, name: str, file: str, text: str) -> bool:
+        """Writes a control file the head sent; False if this node has no share of `name`."""
+        jobdir = self._jobdir(name)
+        if jobdir is None:
+            return False
+        jobdir.write_control(file, text)
+        return True
+
+    def pull(self, name: str, offsets: dict[str, int],
+             max_bytes: int = 0) -> list[pb.ReportChunk] | None:
+        """Whole report lines after the head's offsets (None if no share of `name`)."""
+        jobdir = self._jobdir(name)
+        if jobdir is None:
+            return None
+        budget = max_bytes if max_bytes > 0 else PULL_MAX_BYTES
+        chunks = []
+        for path in sorted(jobdir.reports.glob("rank-*.jsonl")):
+            start = offsets.get(path.name, 0)
+            if budget <= 0 or start < 0:
+                break
+            with open(path, "rb") as fh:
+                fh.seek(start)
+                data = fh.read(budget)
+            data = data[:data.rfind(b"\n") + 1]
+            if data:
+                chunks.append(pb.ReportChunk(file=path.name, offset=start, data=data))
+                budget -= len(data)
+        return chunks
+
+    def stop(self, name: str, now: bool) -> bool:
+        with self._lock:
+            handle = self._agents.get(name)  # kept: NodeStatus reports how it ended
+        if handle is None or handle.poll() is not None:
+            return False
+        handle.ref.terminate(grace_s=1.0 if now else 30.0)
+        return True
+
+    def status(self) -> list[pb.ShareStatus]:
+        with self._lock:
+            items = list(self._agents.items())
+        out = []
+        for name, h in items:
+            code = h.poll()
+            out.append(pb.ShareStatus(job=name, agent_alive=code is None, agent_pid=h.ref.pid,
+                                      exit_code=-1 if code is None else code))
+        return out
+
+    def stop_all(self) -> None:
+        """Daemon shutdown: shares keep running (like the daemon's own agents)."""
+        with self._lock:
+            self._agents.clear()

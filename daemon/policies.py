@@ -1,0 +1,34 @@
+"""Restart policy: whether and when a faulted worker group is started again.
+
+ds3d counts restarts itself (the elastic agent's `max_restarts` can be bypassed by a fast
+exit-and-rejoin, pytorch#147064): every relaunch by the daemon and every group restart reported
+by the workers count against one budget, `launch.max_restarts` per job. The delay grows
+exponentially so that a crash loop does not burn the budget in seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Decision:
+    restart: bool
+    delay_s: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    max_restarts: int
+    base_delay_s: float = 1.0
+    max_delay_s: float = 60.0
+
+    def decide(self, restarts_so_far: int, cause: str) -> Decision:
+        if restarts_so_far >= self.max_restarts:
+            return Decision(False, 0.0, f"{cause}: restart budget spent ({restarts_so_far} of "
+                            f"{self.max_restarts} restarts used); raise launch.max_restarts "
+                            "or fix the cause and start a new job")
+        delay = min(self.max_delay_s, self.base_delay_s * 2 ** restarts_so_far)
+        return Decision(True, delay, f"{cause}: restart {restarts_so_far + 1} of "
+                        f"{self.max_restarts} in {delay:.0f} s")

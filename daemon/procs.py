@@ -1,0 +1,80 @@
+"""Knowing a process again after a daemon restart: pid *and* start time.
+
+Why both: ds3dd may be SIGKILLed and restarted while the agents and the rendezvous store it
+started keep running in their own sessions. A pid alone is not an identity — after a reboot or
+enough forks another process may carry it — so the daemon stores the kernel's start time with
+the pid and treats a process as "ours" only if both match.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+# The kernel reports start time in clock ticks; psutil turns it into float seconds. Allow for
+# the rounding between two reads of the same process.
+_START_TIME_SLACK_S = 0.05
+
+
+@dataclass(frozen=True)
+class ProcessRef:
+    pid: int
+    started: float  # psutil create_time(): unix seconds
+
+    def alive(self) -> bool:
+        """The same process (pid and start time) exists and has not exited (zombies count as
+        gone: they are only waiting to be reaped)."""
+        if self.pid <= 0:
+            return False
+        try:
+            p = psutil.Process(self.pid)
+            if abs(p.create_time() - self.started) > _START_TIME_SLACK_S:
+                return False
+            return p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    def signal_group(self, sig: signal.Signals) -> bool:
+        """Signals the process group the process leads (it was started in its own session);
+        False if it is gone or not ours."""
+        if not self.alive():
+            return False
+        try:
+            os.killpg(self.pid, sig)
+            return True
+        except ProcessLookupError:
+            return False
+
+    def terminate(self, grace_s: float = 10.0) -> None:
+        """SIGTERM to the group, then SIGKILL after `grace_s`; returns when it is gone."""
+        if not self.signal_group(signal.SIGTERM):
+            return
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                return
+            time.sleep(0.1)
+        self.signal_group(signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def spawn_detached(argv: Sequence[str], log_path: Path, env: dict[str, str],
+                   cwd: Path) -> tuple[subprocess.Popen[bytes], ProcessRef]:
+    """Starts `argv` in a new session (SIGKILL of the daemon, or Ctrl-C in its terminal, does
+    not reach it), stdout+stderr appended to `log_path`. Returns the Popen (to reap it while
+    this daemon lives) and its durable identity."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, env=env, cwd=cwd,
+                                start_new_session=True, close_fds=True)
+    return proc, ProcessRef(proc.pid, psutil.Process(proc.pid).create_time())

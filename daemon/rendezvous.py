@@ -1,0 +1,93 @@
+"""The c10d rendezvous store of a job, hosted in a process of its own on the head node.
+
+Why not inside an elastic agent (torchrun's default): killing the agent that hosts the c10d
+store ends the job for every node (FIELD-NOTES, "Node loss with c10d rendezvous"). This process
+does nothing but hold a `TCPStore` server, so agents (and their nodes) can die and come back
+while the rendezvous survives; every agent connects to it as a client (`is_host=False`).
+
+It runs in its own session like the agents, and is recorded by pid + start time, so it also
+outlives a restart of ds3dd. Run as `python -m ds3d.daemon.rendezvous --host H --port-file F`.
+The store has no authentication: bind it to loopback for single-node jobs and to the cluster's
+private network otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from ds3d.trainer.errors import Ds3dError
+
+from .procs import ProcessRef, spawn_detached
+
+
+class RendezvousError(Ds3dError):
+    grpc_code = "UNAVAILABLE"
+    retryable = True
+
+
+def start_store(run_dir: Path, host: str, timeout_s: float = 120.0) -> tuple[ProcessRef, int]:
+    """Starts the store process for a job and waits until it listens; returns it and its port."""
+    control = run_dir / "control"
+    control.mkdir(parents=True, exist_ok=True)
+    port_file = control / "rdzv.port"
+    port_file.unlink(missing_ok=True)
+    argv = [sys.executable, "-m", "ds3d.daemon.rendezvous", "--host", host,
+            "--port-file", str(port_file)]
+    proc, ref = spawn_detached(argv, run_dir / "logs" / "rendezvous.log", dict(os.environ),
+                               run_dir)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if port_file.exists():
+            return ref, int(port_file.read_text())
+        if proc.poll() is not None:
+            raise RendezvousError(f"the rendezvous store process exited with code "
+                                  f"{proc.returncode}; see {run_dir}/logs/rendezvous.log")
+        time.sleep(0.1)
+    ref.terminate(grace_s=2)
+    raise RendezvousError(f"the rendezvous store did not start within {timeout_s:.0f} s; see "
+                          f"{run_dir}/logs/rendezvous.log")
+
+
+def serve(host: str, port: int, port_file: Path) -> None:
+    """Holds the TCPStore server until SIGTERM/SIGINT."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=300))
+    tmp = port_file.with_suffix(".tmp")
+    tmp.write_text(str(store.port))
+    os.replace(tmp, port_file)
+    print(f"rendezvous store listening on {host}:{store.port}", flush=True)
+    stop = False
+
+    def _stop(_sig: int, _frame: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    while not stop:
+        time.sleep(0.5)
+    del store
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m ds3d.daemon.rendezvous",
+                                 description="host a c10d TCPStore for one ds3d job")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    ap.add_argument("--port-file", type=Path, required=True,
+                    help="where to write the bound port once listening")
+    a = ap.parse_args(argv)
+    serve(a.host, a.port, a.port_file)
+
+
+if __name__ == "__main__":
+    main()

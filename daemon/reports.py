@@ -1,0 +1,152 @@
+"""Turning the workers' report records into stored events and job figures.
+
+`ReportTail.poll` reads every rank file from its stored offset (trainer/report.py
+`read_records`), converts the records to events with a fixed schema, and commits events,
+checkpoint index rows, job figures (step, loss, tokens/s) and the new offsets in ONE store
+transaction — so a daemon crash at any point neither loses a record nor counts it twice.
+
+Heartbeats are not stored (one per rank per step would dwarf everything else); their times are
+kept in memory for the hang detector, which restarts its clock after a daemon restart.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ds3d.trainer.report import read_records
+
+from .jobdir import JobDir
+from .store import Store
+
+
+@dataclass
+class Observation:
+    """What one poll saw: the new records and the latest liveness per rank."""
+
+    records: list[dict[str, Any]] = field(default_factory=list)
+    last_seen: dict[int, float] = field(default_factory=dict)  # rank -> monotonic seconds
+
+    def kinds(self, *kinds: str) -> list[dict[str, Any]]:
+        return [r for r in self.records if r.get("kind") in kinds]
+
+
+def _num(v: Any) -> float | None:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return f
+
+
+def record_to_event(rec: dict[str, Any]) -> dict[str, Any] | None:
+    """A report record as an event row (None for records not stored as events)."""
+    kind = rec.get("kind", "")
+    if kind == "heartbeat":
+        return None
+    step = rec.get("step")
+    ev: dict[str, Any] = {
+        "time": _num(rec.get("time")) or time.time(), "kind": kind,
+        "step": int(step) if isinstance(step, int | float) else -1,
+        "rank": int(rec.get("rank", -1)), "node": str(rec.get("node", "")),
+        "restart": int(rec.get("restart", 0)), "detail": rec,
+    }
+    if kind == "step":
+        ev["loss"] = _num(rec.get("loss"))
+        ev["tokens_per_s"] = _num(rec.get("tokens_per_s"))
+        ev["message"] = f"step {ev['step']} loss {ev['loss']}"
+    elif kind == "fault":
+        ev["cause"] = str(rec.get("cause", ""))
+        ev["message"] = f"{ev['cause']} at step {ev['step']}: {rec.get('detail', '')}"
+    elif kind == "checkpoint":
+        ev["message"] = f"checkpoint step {ev['step']} {rec.get('phase', '')}"
+    elif kind == "start":
+        ev["message"] = (f"rank {ev['rank']} started (restart {ev['restart']}, world "
+                         f"{rec.get('world_size')}, from step {rec.get('step', 0)})")
+        if ev["restart"] > 0 and ev["rank"] == 0:
+            ev["kind"] = "recovery"
+            ev["cause"] = "worker_exit"
+            ev["message"] = f"worker group restarted by the agent ({ev['message']})"
+    elif kind == "done":
+        ev["message"] = f"workers done at step {ev['step']}: {rec.get('reason', '')}"
+    elif kind == "command":
+        ev["message"] = (f"command {rec.get('id')} {rec.get('action')} "
+                         f"{rec.get('status', '')}")
+    else:
+        ev["message"] = json.dumps(rec)[:200]
+    return ev
+
+
+# Checkpoint phases that enter the checkpoint index ("uploaded", "reshaped", "retention" are
+# progress reports, kept as events only).
+INDEXED_PHASES = ("saved", "committed", "failed")
+
+
+class ReportTail:
+    """Tails one job's report files into the store. A checkpoint record without a path is
+    indexed under `ckpt_dir/global_step<N>` (DeepSpeed's default tag, used by the trainer)."""
+
+    def __init__(self, store: Store, jobdir: JobDir, ckpt_dir: Path | None = None) -> None:
+        self.store = store
+        self.jobdir = jobdir
+        self.ckpt_dir = ckpt_dir or jobdir.ckpt
+        self.last_seen: dict[int, float] = {}
+
+    def poll(self) -> Observation:
+        name = self.jobdir.name
+        offsets = self.store.offsets(name)
+        new_offsets: dict[str, int] = {}
+        obs = Observation()
+        for path in self.jobdir.report_files():
+            key = self.jobdir.report_key(path)
+            records, end = read_records(path, offsets.get(key, 0))
+            if end != offsets.get(key, 0):
+                new_offsets[key] = end
+            obs.records.extend(records)
+        if not new_offsets:
+            obs.last_seen = dict(self.last_seen)
+            return obs
+        obs.records.sort(key=lambda r: _num(r.get("time")) or 0.0)
+        now = time.monotonic()
+        events, ckpts, figures = [], [], self._figures(obs.records)
+        for rec in obs.records:
+            self.last_seen[int(rec.get("rank", -1))] = now
+            ev = record_to_event(rec)
+            if ev is not None:
+                events.append(ev)
+            if rec.get("kind") == "checkpoint" and isinstance(rec.get("step"), int) and \
+                    rec.get("phase", "saved") in INDEXED_PHASES:
+                step = rec["step"]
+                ckpts.append({"step": step, "phase": str(rec.get("phase", "saved")),
+                              "path": str(rec.get("path") or self.ckpt_dir / f"global_step{step}"),
+                              "time": ev["time"] if ev else 0,
+                              "blocked_s": _num(rec.get("blocked_s")) or 0.0})
+        self.store.ingest(name, new_offsets, events, ckpts, **figures)
+        obs.last_seen = dict(self.last_seen)
+        return obs
+
+    def _figures(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+        """Job columns implied by the newest records (step, loss, throughput, world size...)."""
+        out: dict[str, Any] = {}
+        for rec in records:
+            kind = rec.get("kind")
+            if kind == "step" and rec.get("rank", 0) == 0:
+                out["step"] = int(rec.get("step", 0))
+                loss = _num(rec.get("loss"))
+                out["loss"] = loss if loss is not None and math.isfinite(loss) else None
+                out["tokens_per_s"] = _num(rec.get("tokens_per_s")) or 0.0
+                out["step_time_s"] = _num(rec.get("step_time_s")) or 0.0
+            elif kind == "start" and rec.get("rank", 0) == 0:
+                out["world_size"] = int(rec.get("world_size", 0))
+                out.setdefault("step", int(rec.get("step", 0) or 0))
+            elif kind == "checkpoint" and rec.get("phase") in ("saved", "committed"):
+                out["last_ckpt_step"] = max(out.get("last_ckpt_step", -1), int(rec["step"]))
+            elif kind == "done":
+                out["done_reason"] = str(rec.get("reason", ""))
+            elif kind == "command" and rec.get("status") == "done":
+                out["command_acked"] = max(out.get("command_acked", 0), int(rec.get("id", 0)))
+        return out

@@ -1,0 +1,142 @@
+"""Assembling one daemon: store, supervisors, services, the gRPC server and metrics.
+
+`Daemon` owns everything it starts and stops it in `close()`, except the job processes (agents,
+rendezvous stores): those live in their own sessions and outlive the daemon by design; the next
+daemon on the same state directory reattaches to them.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from ds3d.trainer.errors import ConfigError
+from ds3d.v1 import control_pb2 as pb
+from ds3d.v1 import control_pb2_grpc as pb_grpc
+
+from .api import ControlServicer
+from .auth import TlsFiles, TokenInterceptor, check_listen_policy
+from .errors import ErrorInterceptor
+from .launcher import WORKER_MODULE, Launcher
+from .logging import get_logger
+from .metrics import Metrics
+from .peers import PeerClient, Shares
+from .service import JobService
+from .store import Store
+from .supervisor import SupervisorContext, Supervisors
+
+log = get_logger("ds3d.daemon")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Control"].full_name
+
+
+@dataclass
+class DaemonOptions:
+    state_dir: Path
+    listen: str = "127.0.0.1:7531"
+    node: str = socket.gethostname()
+    token: str | None = None
+    tls: TlsFiles | None = None
+    metrics_port: int | None = None
+    max_request_bytes: int = 1 << 20
+    rdzv_host: str = "127.0.0.1"
+    worker_module: str = WORKER_MODULE
+    hang_timeout_s: float = 120.0
+    enable_fault_injection: bool = False
+    node_addr: str | None = None
+
+
+class Daemon:
+    def __init__(self, opts: DaemonOptions) -> None:
+        check_listen_policy(opts.listen, opts.tls, opts.token)
+        self.opts = opts
+        opts.state_dir.mkdir(parents=True, exist_ok=True)
+        self._lock_fh = open(opts.state_dir / "ds3dd.lock", "w")
+        try:
+            fcntl.flock(self._lock_fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(f"another ds3dd already uses --state-dir {opts.state_dir}; stop "
+                              "it first or choose another state directory") from None
+        self.store = Store(opts.state_dir / "ds3d.db")
+        self.metrics = Metrics()
+        launcher = Launcher(worker_module=opts.worker_module, node_addr=opts.node_addr)
+        peers = PeerClient(opts.tls, opts.token)
+        jobs_root = opts.state_dir / "jobs"
+        jobs_root.mkdir(exist_ok=True)
+        self.supervisors = Supervisors(SupervisorContext(
+            store=self.store, launcher=launcher, metrics=self.metrics, jobs_root=jobs_root,
+            node=opts.node, rdzv_host=opts.rdzv_host, peers=peers,
+            hang_min_timeout_s=opts.hang_timeout_s))
+        self.shares = Shares(opts.state_dir / "shares", launcher)
+        self.peers = peers
+        self.service = JobService(self.store, self.supervisors, jobs_root, opts.node,
+                                  peers=peers,
+                                  enable_fault_injection=opts.enable_fault_injection)
+        self.server: grpc.Server | None = None
+        self.address = ""
+        self.metrics_port: int | None = None
+
+    def start(self) -> str:
+        """Binds, registers Control + health + reflection, starts serving and supervising;
+        returns the bound address (port 0 resolved) and writes it to STATE_DIR/ds3dd.addr."""
+        interceptors: list[grpc.ServerInterceptor] = []
+        if self.opts.token:
+            interceptors.append(TokenInterceptor(self.opts.token))
+        interceptors.append(ErrorInterceptor())
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="rpc"),
+            interceptors=interceptors,
+            options=[("grpc.max_receive_message_length", self.opts.max_request_bytes),
+                     ("grpc.max_send_message_length", 16 << 20),
+                     ("grpc.so_reuseport", 0)])
+        pb_grpc.add_ControlServicer_to_server(
+            ControlServicer(self.service, self.shares, self.opts.node, self.peers), server)
+        health_servicer = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        listen = self.opts.listen
+        if self.opts.tls is not None:
+            port = server.add_secure_port(listen, self.opts.tls.server_credentials())
+        else:
+            port = server.add_insecure_port(listen)
+        if not listen.startswith("unix:") and port == 0:
+            raise ConfigError(f"cannot listen on {listen!r} (address in use or invalid)")
+        self.address = listen if listen.startswith("unix:") else \
+            f"{listen.rsplit(':', 1)[0]}:{port}"
+        server.start()
+        self.server = server
+        for svc in ("", SERVICE_NAME):
+            health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)
+        if self.opts.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(self.opts.metrics_port)
+        self.supervisors.resume_all()
+        addr_file = self.opts.state_dir / "ds3dd.addr"
+        tmp = addr_file.with_suffix(".tmp")
+        tmp.write_text(self.address)
+        os.replace(tmp, addr_file)
+        log.info("serving", address=self.address, metrics_port=self.metrics_port,
+                 tls=self.opts.tls is not None, token=bool(self.opts.token))
+        return self.address
+
+    def wait(self) -> None:
+        if self.server is not None:
+            self.server.wait_for_termination()
+
+    def close(self, grace_s: float = 2.0) -> None:
+        """Stops serving and supervising; job processes keep running (reattached next start)."""
+        if self.server is not None:
+            self.server.stop(grace_s).wait()
+            self.server = None
+        self.supervisors.stop()
+        self.store.close()
+        self._lock_fh.close()
+        log.info("stopped")

@@ -1,0 +1,268 @@
+"""The daemon's operations on jobs, in domain terms (no protobuf here; api.py converts).
+
+Each request is validated, checked against the state table, and stored as intent (desired state,
+pending worker command, rollback step) in one transaction; then the job's supervisor is woken to
+act on it. The supervisor is the only writer of job states, so a request never races the loop
+that watches the workers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from ds3d.trainer.config import JobConfig, validate_job
+from ds3d.trainer.errors import ConfigError, NotFoundError, StateError
+
+from .jobdir import INJECT_KINDS, JobDir
+from .peers import PeerClient, check_peer_address
+from .states import TERMINAL, JobState, check_action
+from .store import CheckpointRow, Event, Job, Store
+from .supervisor import Supervisors
+
+LOG_TAIL_MAX_BYTES = 256 * 1024
+
+
+@dataclass(frozen=True)
+class Injection:
+    id: int
+    at_step: int
+    path: Path
+
+
+@dataclass(frozen=True)
+class LogTail:
+    path: str
+    text: str
+    size: int
+
+
+def parse_config(config_json: str) -> JobConfig:
+    """Request JSON -> validated JobConfig; every problem named with its field (ConfigError)."""
+    try:
+        cfg = JobConfig.model_validate_json(config_json)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+            if err["type"] == "extra_forbidden":
+                lines.append(f"{where}: unknown setting; check the spelling")
+            elif err["type"] == "missing":
+                lines.append(f"{where}: required but missing")
+            elif err["type"] == "json_invalid":
+                lines.append(f"the request is not valid JSON ({err['msg']})")
+            else:
+                lines.append(f"{where}={err.get('input')!r}: {err['msg']}")
+        raise ConfigError("invalid job configuration:\n  " + "\n  ".join(lines)) from None
+    validate_job(cfg)
+    if cfg.launch.nnodes > 1 and len(cfg.launch.hosts) != cfg.launch.nnodes:
+        raise ConfigError(
+            f"launch.nnodes={cfg.launch.nnodes} needs launch.hosts with one daemon address per "
+            f"node, this (head) node first; got {len(cfg.launch.hosts)}")
+    if cfg.launch.nnodes > 1 and not cfg.checkpoint.store:
+        raise ConfigError(
+            f"launch.nnodes={cfg.launch.nnodes} needs checkpoint.store: a durable tier every node "
+            "writes to (s3://bucket/prefix, or file:///path on a shared filesystem); each rank "
+            "saves its own shard there")
+    return cfg
+
+
+class JobService:
+    def __init__(self, store: Store, supervisors: Supervisors, jobs_root: Path,
+                 node: str, peers: PeerClient | None = None,
+                 enable_fault_injection: bool = False) -> None:
+        self.store = store
+        self.supervisors = supervisors
+        self.jobs_root = jobs_root
+        self.node = node
+        self.peers = peers
+        self.enable_fault_injection = enable_fault_injection
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def start(self, config_json: str) -> Job:
+        cfg = parse_config(config_json)
+        if cfg.launch.nnodes > 1:
+            for address in cfg.launch.hosts[1:]:
+                check_peer_address(address, self.peers.tls if self.peers else None)
+        jobdir = JobDir(self.jobs_root, cfg.name)
+        job = self.store.create_job(cfg.name, cfg.dump_json(), self.node, str(jobdir.path))
+        jobdir.create(cfg.dump_json())
+        self.supervisors.poke(cfg.name)
+        return job
+
+    def pause(self, name: str, fast: bool = False) -> Job:
+        job = self.store.get_job(name)
+        check_action(name, "pause", job.state)
+        self._require_desired_running(job, "pause")
+        return self._command(job, "pause_fast" if fast else "pause", JobState.PAUSED,
+                             "pause requested" + (" (fast)" if fast else ""))
+
+    def resume(self, name: str) -> Job:
+        job = self.store.get_job(name)
+        check_action(name, "resume", job.state)
+        job = self.store.record(name, "request", "resume requested",
+                                desired_state=JobState.RUNNING)
+        self.supervisors.poke(name)
+        return job
+
+    def stop(self, name: str, now: bool = False) -> Job:
+        job = self.store.get_job(name)
+        check_action(name, "stop", job.state)
+        if job.desired_state is JobState.STOPPED and not (now and job.command_action == "stop"):
+            return job  # already stopping; stop after stop is a no-op, stop --now escalates
+        return self._command(job, "stop_now" if now else "stop", JobState.STOPPED,
+                             "stop requested" + (" (now, no checkpoint)" if now else ""))
+
+    def save(self, name: str) -> int:
+        job = self.store.get_job(name)
+        check_action(name, "save", job.state)
+        self._require_desired_running(job, "save")
+        job = self._command(job, "save", JobState.RUNNING, "checkpoint requested")
+        return job.command_id
+
+    def rollback(self, name: str, step: int) -> Job:
+        job = self.store.get_job(name)
+        check_action(name, "rollback", job.state)
+        self._require_desired_running(job, "roll back", allow_paused=True)
+        if step < 0:
+            raise ConfigError(f"rollback step={step}: a step is 0 or more")
+        usable = [c.step for c in self.checkpoints(name)
+                  if c.phase in ("saved", "committed") and self.checkpoint_present(name, c)]
+        if step not in usable:
+            have = ", ".join(map(str, usable)) or "none yet (`ds3dctl save JOB` makes one)"
+            raise NotFoundError(f"job {name!r} has no checkpoint at step {step}; "
+                                f"checkpoints: {have}")
+        job = self.store.record(name, "request", f"rollback to step {step} requested",
+                                step=step, desired_state=JobState.RUNNING, rollback_step=step,
+                                command_id=job.command_id + 1, command_action="",
+                                command_acked=job.command_id + 1)
+        self.supervisors.poke(name)
+        return job
+
+    def inject(self, name: str, kind: str, rank: int, at_step: int) -> Injection:
+        """Drills: schedules a fault on one rank by writing control/inject.json on every node
+        of the job (the workers act on it; see jobdir.py). Refused unless the daemon was started
+        with --enable-fault-injection."""
+        if not self.enable_fault_injection:
+            raise StateError("fault injection is disabled on this daemon; restart ds3dd with "
+                             "--enable-fault-injection to allow it (drills only)")
+        if kind not in INJECT_KINDS:
+            raise ConfigError(f"fault kind {kind!r} is unknown; use one of "
+                              f"{', '.join(INJECT_KINDS)}")
+        job = self.store.get_job(name)
+        check_action(name, "inject", job.state)
+        world = job.world_size or JobConfig.model_validate_json(
+            job.config_json).parallel.world_size
+        if not 0 <= rank < world:
+            raise ConfigError(f"rank={rank}: job {name!r} has ranks 0..{world - 1}")
+        if at_step < 0:
+            raise ConfigError(f"at_step={at_step}: use a step number, or 0 for the next step")
+        step = at_step or job.step + 1
+        jobdir = JobDir(self.jobs_root, name)
+        previous = jobdir.inject()
+        inject_id = int(previous.get("id", 0)) + 1 if previous else 1
+        text = jobdir.write_inject(inject_id, kind, rank, step)
+        self.store.record(name, "inject", f"fault injection {inject_id}: {kind} on rank {rank} "
+                          f"at step {step}", rank=rank, cause=kind,
+                          detail={"id": inject_id, "kind": kind, "rank": rank, "at_step": step})
+        self.supervisors.forward_control(name, "inject.json", text)
+        return Injection(inject_id, step, jobdir.inject_file)
+
+    # ---- queries -----------------------------------------------------------------------------
+
+    def get(self, name: str) -> Job:
+        return self.store.get_job(name)
+
+    def has(self, name: str) -> bool:
+        """The job is headed by this daemon (stored here)."""
+        return self.store.has_job(name)
+
+    def list_jobs(self, include_finished: bool) -> list[Job]:
+        return [j for j in self.store.list_jobs() if include_finished or j.state not in TERMINAL]
+
+    def checkpoints(self, name: str) -> list[CheckpointRow]:
+        self.store.get_job(name)
+        return self.store.checkpoints(name)
+
+    def checkpoint_present(self, name: str, row: CheckpointRow) -> bool:
+        if not row.path or "://" in row.path:
+            return False
+        p = Path(row.path)
+        if not p.is_absolute():
+            p = JobDir(self.jobs_root, name).ckpt / p
+        return p.exists()
+
+    def events(self, name: str, after_seq: int, follow: bool, kinds: list[str],
+               step_every: int, is_active: Callable[[], bool]) -> Iterator[Event]:
+        """Stored events in order; with `follow`, new ones as they are committed, until the job
+        (or, for all jobs, the client) is done."""
+        if name:
+            self.store.get_job(name)
+        last = after_seq
+        every = max(1, step_every)
+        while is_active():
+            batch = self.store.events(job=name, after_seq=last, kinds=kinds, limit=500)
+            for ev in batch:
+                last = ev.seq
+                if ev.kind == "step" and every > 1 and ev.step % every:
+                    continue
+                yield ev
+            if len(batch) == 500:
+                continue
+            if not follow:
+                return
+            if name and self.store.get_job(name).state in TERMINAL and \
+                    not self.store.events(job=name, after_seq=last, kinds=kinds, limit=1):
+                return
+            self.store.wait_for_change(1.0)
+
+    def logs(self, name: str, tail_lines: int, source: str) -> list[LogTail]:
+        self.store.get_job(name)
+        root = JobDir(self.jobs_root, name).logs
+        files = sorted(p for p in root.rglob("*") if p.is_file())
+        if source == "agent":
+            files = [p for p in files if p.name == "agent.log"]
+        elif source.startswith("rank:"):
+            r = source.split(":", 1)[1]
+            if not r.isdigit():
+                raise ConfigError(f"logs source {source!r}: use agent, rank:N or nothing")
+            files = [p for p in files if p.parent.name == r]
+        elif source:
+            raise ConfigError(f"logs source {source!r}: use agent, rank:N or nothing")
+        n = tail_lines if tail_lines > 0 else 200
+        out = []
+        for p in files:
+            size = p.stat().st_size
+            with open(p, "rb") as fh:
+                fh.seek(max(0, size - LOG_TAIL_MAX_BYTES))
+                lines = fh.read().decode("utf-8", "replace").splitlines()[-n:]
+            out.append(LogTail(str(p.relative_to(root)), "\n".join(lines), size))
+        return out
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _require_desired_running(job: Job, what: str, allow_paused: bool = False) -> None:
+        if job.desired_state is JobState.RUNNING:
+            return
+        if allow_paused and job.desired_state is JobState.PAUSED and \
+                job.state is JobState.PAUSED:
+            return
+        raise StateError(f"cannot {what} job {job.name!r}: it is being "
+                         f"{'paused' if job.desired_state is JobState.PAUSED else 'stopped'} "
+                         f"(state {job.state.name}); wait for that to finish")
+
+    def _command(self, job: Job, action: str, desired: JobState, message: str) -> Job:
+        """Stores the intent (desired state + next command id) with its event; the supervisor
+        writes the command file (and re-writes it after a daemon crash)."""
+        cid = job.command_id + 1
+        job = self.store.record(job.name, "command", message, desired_state=desired,
+                                command_id=cid, command_action=action,
+                                detail={"id": cid, "action": action, "time": time.time()})
+        self.supervisors.poke(job.name)
+        return job

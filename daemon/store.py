@@ -1,0 +1,410 @@
+"""The daemon's durable memory: jobs, their transitions and events, report offsets, checkpoints.
+
+SQLite in WAL mode, one file per daemon (`STATE_DIR/ds3d.db`). Why it is shaped like this:
+
+* **Intent first.** A state transition and its event are written in one transaction *before*
+  the daemon acts on it; a request (pause, save, rollback) is stored as the job's desired state
+  and pending command before the command file is written. A daemon killed between deciding and
+  acting finds the intent on restart and carries it out (see supervisor.py), instead of
+  forgetting it.
+* **Offsets with their events.** The read offset of each per-rank report file is stored in the
+  same transaction as the events derived from the records before it, so after a crash every
+  record is turned into an event exactly once.
+* **One writer.** One connection guarded by a lock; readers (WatchEvents) wait on a condition
+  that every commit of new events notifies, so a watch never polls the disk in a busy loop.
+
+`synchronous=NORMAL` in WAL mode keeps every committed transaction across a process crash
+(SIGKILL); only an OS crash or power cut may lose the last commits, which the report files and
+checkpoints (the ground truth) let the daemon re-derive.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ds3d.trainer.errors import AlreadyExistsError, NotFoundError
+
+from .states import JobState, check_transition
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    name TEXT PRIMARY KEY,
+    config_json TEXT NOT NULL,
+    state INTEGER NOT NULL,
+    desired_state INTEGER NOT NULL,
+    node TEXT NOT NULL,
+    run_dir TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL,
+    message TEXT NOT NULL DEFAULT '',
+    step INTEGER NOT NULL DEFAULT 0,
+    loss REAL,
+    tokens_per_s REAL NOT NULL DEFAULT 0,
+    step_time_s REAL NOT NULL DEFAULT 0,
+    world_size INTEGER NOT NULL DEFAULT 0,
+    restarts INTEGER NOT NULL DEFAULT 0,
+    attempt INTEGER NOT NULL DEFAULT 0,
+    last_ckpt_step INTEGER NOT NULL DEFAULT -1,
+    agent_pid INTEGER NOT NULL DEFAULT 0,
+    agent_started REAL NOT NULL DEFAULT 0,
+    rdzv_pid INTEGER NOT NULL DEFAULT 0,
+    rdzv_started REAL NOT NULL DEFAULT 0,
+    rdzv_port INTEGER NOT NULL DEFAULT 0,
+    command_id INTEGER NOT NULL DEFAULT 0,
+    command_action TEXT NOT NULL DEFAULT '',
+    command_acked INTEGER NOT NULL DEFAULT 0,
+    rollback_step INTEGER NOT NULL DEFAULT -1,
+    done_reason TEXT NOT NULL DEFAULT '',
+    next_launch_at REAL NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS transitions (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    job TEXT NOT NULL REFERENCES jobs(name),
+    from_state INTEGER NOT NULL,
+    to_state INTEGER NOT NULL,
+    time REAL NOT NULL,
+    message TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS events (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    job TEXT NOT NULL REFERENCES jobs(name),
+    time REAL NOT NULL,
+    kind TEXT NOT NULL,
+    from_state INTEGER NOT NULL DEFAULT 0,
+    to_state INTEGER NOT NULL DEFAULT 0,
+    step INTEGER NOT NULL DEFAULT -1,
+    rank INTEGER NOT NULL DEFAULT -1,
+    node TEXT NOT NULL DEFAULT '',
+    restart INTEGER NOT NULL DEFAULT 0,
+    cause TEXT NOT NULL DEFAULT '',
+    message TEXT NOT NULL DEFAULT '',
+    loss REAL,
+    tokens_per_s REAL,
+    detail_json TEXT NOT NULL DEFAULT '{}'
+);
+CREATE INDEX IF NOT EXISTS events_job ON events(job, seq);
+CREATE TABLE IF NOT EXISTS offsets (
+    job TEXT NOT NULL,
+    path TEXT NOT NULL,
+    offset INTEGER NOT NULL,
+    PRIMARY KEY (job, path)
+);
+CREATE TABLE IF NOT EXISTS checkpoints (
+    job TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    phase TEXT NOT NULL,
+    path TEXT NOT NULL,
+    time REAL NOT NULL,
+    blocked_s REAL NOT NULL DEFAULT 0,
+    PRIMARY KEY (job, step)
+);
+"""
+
+# Columns a caller may set through `update`/`transition`/`ingest` (never the name or config).
+_MUTABLE = {
+    "desired_state", "message", "step", "loss", "tokens_per_s", "step_time_s", "world_size",
+    "restarts", "attempt", "last_ckpt_step", "agent_pid", "agent_started", "rdzv_pid",
+    "rdzv_started", "rdzv_port", "command_id", "command_action", "command_acked",
+    "rollback_step", "done_reason", "next_launch_at",
+}
+
+
+@dataclass(frozen=True)
+class Job:
+    """A row of `jobs`: what the daemon knows about one job, as of the last commit."""
+
+    name: str
+    config_json: str
+    state: JobState
+    desired_state: JobState
+    node: str
+    run_dir: str
+    created_at: float
+    updated_at: float
+    message: str
+    step: int
+    loss: float | None
+    tokens_per_s: float
+    step_time_s: float
+    world_size: int
+    restarts: int
+    attempt: int
+    last_ckpt_step: int
+    agent_pid: int
+    agent_started: float
+    rdzv_pid: int
+    rdzv_started: float
+    rdzv_port: int
+    command_id: int
+    command_action: str
+    command_acked: int
+    rollback_step: int
+    done_reason: str
+    next_launch_at: float
+
+    @classmethod
+    def from_row(cls, row: sqlite3.Row) -> "Job":
+        d = dict(row)
+        d["state"] = JobState(d["state"])
+        d["desired_state"] = JobState(d["desired_state"])
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class Event:
+    """A row of `events`. `seq` orders all events of the daemon; `detail` is the source record."""
+
+    seq: int
+    job: str
+    time: float
+    kind: str
+    from_state: int = 0
+    to_state: int = 0
+    step: int = -1
+    rank: int = -1
+    node: str = ""
+    restart: int = 0
+    cause: str = ""
+    message: str = ""
+    loss: float | None = None
+    tokens_per_s: float | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CheckpointRow:
+    job: str
+    step: int
+    phase: str
+    path: str
+    time: float
+    blocked_s: float
+
+
+_EVENT_COLS = ("job", "time", "kind", "from_state", "to_state", "step", "rank", "node",
+               "restart", "cause", "message", "loss", "tokens_per_s", "detail_json")
+
+
+class Store:
+    """All durable state of one daemon. Thread-safe; every public write is one transaction."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None,
+                                   timeout=30)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("PRAGMA foreign_keys=ON")
+        self._lock = threading.RLock()
+        self.changed = threading.Condition(self._lock)
+        self._db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        """One IMMEDIATE transaction (takes the write lock up front: no upgrade deadlocks)."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+            self.changed.notify_all()
+
+    # ---- jobs ------------------------------------------------------------------------------
+
+    def create_job(self, name: str, config_json: str, node: str, run_dir: str,
+                   message: str = "accepted") -> Job:
+        """Stores a new PENDING job and its first event; AlreadyExistsError if the name is taken
+        (names are never reused: the job directory and its history keep the name)."""
+        now = time.time()
+        with self._tx() as db:
+            row = db.execute("SELECT state FROM jobs WHERE name=?", (name,)).fetchone()
+            if row is not None:
+                raise AlreadyExistsError(
+                    f"a job named {name!r} already exists (it is {JobState(row[0]).name}); "
+                    "choose another name with --name")
+            db.execute(
+                "INSERT INTO jobs (name, config_json, state, desired_state, node, run_dir, "
+                "created_at, updated_at, message) VALUES (?,?,?,?,?,?,?,?,?)",
+                (name, config_json, JobState.PENDING.value, JobState.RUNNING.value, node, run_dir,
+                 now, now, message))
+            self._insert_event(db, {"job": name, "time": now, "kind": "state", "node": node,
+                                    "to_state": JobState.PENDING.value, "message": message})
+        return self.get_job(name)
+
+    def get_job(self, name: str) -> Job:
+        with self._lock:
+            row = self._db.execute("SELECT * FROM jobs WHERE name=?", (name,)).fetchone()
+        if row is None:
+            raise NotFoundError(f"no job named {name!r}; `ds3dctl list` shows the known jobs")
+        return Job.from_row(row)
+
+    def has_job(self, name: str) -> bool:
+        with self._lock:
+            return self._db.execute("SELECT 1 FROM jobs WHERE name=?", (name,)).fetchone() \
+                is not None
+
+    def list_jobs(self) -> list[Job]:
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM jobs ORDER BY created_at, name").fetchall()
+        return [Job.from_row(r) for r in rows]
+
+    def transition(self, name: str, dst: JobState, message: str, *, cause: str = "",
+                   kind: str = "state", **fields: Any) -> Job:
+        """Moves a job to `dst` (checked against the table) with its transition row, its event and
+        any column updates, all in one transaction. Raises StateError if not allowed."""
+        now = time.time()
+        with self._tx() as db:
+            job = self._job_locked(db, name)
+            check_transition(name, job.state, dst)
+            db.execute("INSERT INTO transitions (job, from_state, to_state, time, message) "
+                       "VALUES (?,?,?,?,?)", (name, job.state.value, dst.value, now, message))
+            self._update(db, name, {**fields, "message": message}, state=dst.value,
+                         updated_at=now)
+            self._insert_event(db, {"job": name, "time": now, "kind": kind, "node": job.node,
+                                    "from_state": job.state.value, "to_state": dst.value,
+                                    "step": job.step, "restart": job.restarts, "cause": cause,
+                                    "message": message})
+        return self.get_job(name)
+
+    def record(self, name: str, kind: str, message: str, **fields: Any) -> Job:
+        """Stores an intent or a fact that is not a state change (a command sent, a process
+        started) as column updates plus one event, in one transaction."""
+        now = time.time()
+        event_fields = {k: fields.pop(k) for k in ("cause", "step", "rank", "detail")
+                        if k in fields}
+        with self._tx() as db:
+            job = self._job_locked(db, name)
+            self._update(db, name, fields)
+            detail = event_fields.pop("detail", {})
+            self._insert_event(db, {"job": name, "time": now, "kind": kind, "node": job.node,
+                                    "restart": job.restarts, "message": message,
+                                    "step": event_fields.get("step", job.step),
+                                    "detail_json": json.dumps(detail),
+                                    **{k: v for k, v in event_fields.items() if k != "step"}})
+        return self.get_job(name)
+
+    def update(self, name: str, **fields: Any) -> Job:
+        """Column updates without an event (process bookkeeping the user need not see)."""
+        with self._tx() as db:
+            self._job_locked(db, name)
+            self._update(db, name, fields)
+        return self.get_job(name)
+
+    # ---- report ingestion --------------------------------------------------------------------
+
+    def offsets(self, name: str) -> dict[str, int]:
+        with self._lock:
+            rows = self._db.execute("SELECT path, offset FROM offsets WHERE job=?",
+                                    (name,)).fetchall()
+        return {r["path"]: r["offset"] for r in rows}
+
+    def ingest(self, name: str, offsets: dict[str, int], events: Iterable[dict[str, Any]],
+               checkpoints: Iterable[dict[str, Any]] = (), **fields: Any) -> None:
+        """Stores events derived from report records, the offsets just past those records, the
+        checkpoints they announced and the job's new figures (step, loss...) in ONE transaction."""
+        with self._tx() as db:
+            self._job_locked(db, name)
+            for ev in events:
+                self._insert_event(db, {"job": name, **ev})
+            for ck in checkpoints:
+                db.execute(
+                    "INSERT INTO checkpoints (job, step, phase, path, time, blocked_s) "
+                    "VALUES (?,?,?,?,?,?) ON CONFLICT(job, step) DO UPDATE SET "
+                    "phase=CASE WHEN phase='committed' THEN phase ELSE excluded.phase END, "
+                    "path=CASE WHEN excluded.path='' THEN path "
+                    "ELSE excluded.path END, time=excluded.time, "
+                    "blocked_s=MAX(blocked_s, excluded.blocked_s)",
+                    (name, ck["step"], ck["phase"], ck.get("path", ""), ck["time"],
+                     ck.get("blocked_s", 0.0)))
+            for path, off in offsets.items():
+                db.execute("INSERT INTO offsets (job, path, offset) VALUES (?,?,?) "
+                           "ON CONFLICT(job, path) DO UPDATE SET offset=excluded.offset",
+                           (name, path, off))
+            if fields:
+                self._update(db, name, fields)
+
+    # ---- queries -----------------------------------------------------------------------------
+
+    def events(self, *, job: str = "", after_seq: int = 0, kinds: Iterable[str] = (),
+               limit: int = 1000) -> list[Event]:
+        sql = "SELECT * FROM events WHERE seq > ?"
+        args: list[Any] = [after_seq]
+        if job:
+            sql += " AND job = ?"
+            args.append(job)
+        kinds = list(kinds)
+        if kinds:
+            sql += f" AND kind IN ({','.join('?' * len(kinds))})"
+            args.extend(kinds)
+        sql += " ORDER BY seq LIMIT ?"
+        args.append(limit)
+        with self._lock:
+            rows = self._db.execute(sql, args).fetchall()
+        out = []
+        for r in rows:
+            d = dict(r)
+            d["detail"] = json.loads(d.pop("detail_json") or "{}")
+            out.append(Event(**d))
+        return out
+
+    def transitions(self, name: str) -> list[tuple[JobState, JobState, str]]:
+        with self._lock:
+            rows = self._db.execute("SELECT from_state, to_state, message FROM transitions "
+                                    "WHERE job=? ORDER BY id", (name,)).fetchall()
+        return [(JobState(r[0]), JobState(r[1]), r[2]) for r in rows]
+
+    def checkpoints(self, name: str) -> list[CheckpointRow]:
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM checkpoints WHERE job=? ORDER BY step",
+                                    (name,)).fetchall()
+        return [CheckpointRow(**dict(r)) for r in rows]
+
+    def wait_for_change(self, timeout: float) -> None:
+        """Blocks until the next commit or `timeout` seconds (for followers of the event log)."""
+        with self.changed:
+            self.changed.wait(timeout)
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _job_locked(self, db: sqlite3.Connection, name: str) -> Job:
+        row = db.execute("SELECT * FROM jobs WHERE name=?", (name,)).fetchone()
+        if row is None:
+            raise NotFoundError(f"no job named {name!r}; `ds3dctl list` shows the known jobs")
+        return Job.from_row(row)
+
+    @staticmethod
+    def _update(db: sqlite3.Connection, name: str, fields: dict[str, Any],
+                **internal: Any) -> None:
+        bad = set(fields) - _MUTABLE
+        if bad:
+            raise ValueError(f"not a mutable job column: {sorted(bad)}")
+        values = {k: (v.value if isinstance(v, JobState) else v) for k, v in fields.items()}
+        values.update(internal)
+        if values:
+            cols = ", ".join(f"{k}=?" for k in values)
+            db.execute(f"UPDATE jobs SET {cols} WHERE name=?", (*values.values(), name))
+
+    @staticmethod
+    def _insert_event(db: sqlite3.Connection, ev: dict[str, Any]) -> None:
+        if "detail" in ev:
+            ev = {**ev, "detail_json": json.dumps(ev.pop("detail"), default=str)}
+        cols = [c for c in _EVENT_COLS if c in ev]
+        db.execute(f"INSERT INTO events ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})",
+                   [ev[c] for c in cols])

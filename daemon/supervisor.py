@@ -1,0 +1,475 @@
+"""One supervisor per job on its head node: a short loop of monitor -> detect -> decide -> act.
+
+The supervisor is the only writer of a job's state. RPCs record *intent* (desired state, a
+pending worker command, a rollback step) in the store and wake the supervisor; each tick reads
+the stored job, so an intent stored before a daemon crash is carried out after the restart.
+
+    tick:
+        (multi-node) pull the other nodes' report records into reports/nodes/, re-send control
+                     files a node missed
+        agent_exit = agent status (before reading reports: a worker writes `done` before its
+                     agent exits, so reading after seeing the exit never misses it)
+        obs        = new report records -> events + offsets (one transaction)
+        faults     = [d.check(job, obs, agent_exit) for d in detectors]
+        _decide_and_act(job, obs, agent_exit, faults)
+
+Every transition goes through the store (table-checked, intent first). Detectors and the restart
+policy are objects passed in, so a new fault needs a new detector, not a change to this loop.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+from pathlib import Path
+
+from ds3d.trainer.config import JobConfig
+from ds3d.trainer.errors import Ds3dError
+from ds3d.v1 import control_pb2 as pb
+
+from .detectors import AgentExitDetector, Detector, Fault, HangDetector
+from .jobdir import JobDir
+from .launcher import AgentHandle, Launcher, kill_strays
+from .logging import get_logger
+from .metrics import Metrics
+from .peers import REPORT_FILE_RE, PeerClient, PeerError
+from .policies import RestartPolicy
+from .procs import ProcessRef
+from .rendezvous import start_store
+from .reports import Observation, ReportTail
+from .states import TERMINAL, JobState
+from .store import Job, Store
+
+_WORKING = (JobState.STARTING, JobState.RUNNING, JobState.RECOVERING)
+
+
+@dataclass
+class SupervisorContext:
+    """What all supervisors of one daemon share."""
+
+    store: Store
+    launcher: Launcher
+    metrics: Metrics
+    jobs_root: Path
+    node: str
+    rdzv_host: str = "127.0.0.1"
+    peers: PeerClient | None = None
+    interval_s: float = 0.5
+    stop_now_grace_s: float = 5.0
+    hang_min_timeout_s: float = 120.0
+    peer_finish_timeout_s: float = 120.0
+    detectors: list[Detector] | None = field(default=None)
+
+
+class JobSupervisor:
+    def __init__(self, name: str, ctx: SupervisorContext) -> None:
+        self.name = name
+        self.ctx = ctx
+        self.store = ctx.store
+        self.jobdir = JobDir(ctx.jobs_root, name)
+        local = self._config(self.store.get_job(name)).checkpoint.local_dir
+        self.tail = ReportTail(ctx.store, self.jobdir, Path(local) if local else None)
+        self.detectors: list[Detector] = ctx.detectors or [
+            HangDetector(min_timeout_s=ctx.hang_min_timeout_s), AgentExitDetector()]
+        self.log = get_logger("ds3d.supervisor", job=name)
+        self.wake = threading.Event()
+        self.agent: AgentHandle | None = None
+        self._seen_group_restarts: set[tuple[int, int]] = set()
+        self._unsent: dict[tuple[str, str], str] = {}  # (node address, file) -> text to copy
+        self._peer_backoff: dict[str, float] = {}      # node address -> monotonic retry time
+        self._peer_wait_since: float | None = None
+        job = self.store.get_job(name)
+        if job.agent_pid:
+            self.agent = Launcher.attach(self.jobdir.path, job.attempt, job.agent_pid,
+                                         job.agent_started)
+            self.log.info("reattached", pid=job.agent_pid, alive=self.agent.poll() is None)
+
+    # ---- loop --------------------------------------------------------------------------------
+
+    def run(self, stopping: threading.Event) -> None:
+        """Ticks until the job is terminal or the daemon stops. A bug in one tick is logged and
+        retried on the next tick; it never ends supervision of the job."""
+        while not stopping.is_set():
+            try:
+                if self.tick():
+                    return
+            except Exception:
+                self.log.exception("supervisor tick failed; retrying")
+            self.wake.wait(self.ctx.interval_s)
+            self.wake.clear()
+
+    def tick(self) -> bool:
+        """One pass; True once the job is terminal and cleaned up."""
+        agent_exit = self.agent.poll() if self.agent is not None else None
+        self._sync_peers(self.store.get_job(self.name))
+        obs = self.tail.poll()
+        job = self.store.get_job(self.name)
+        self._count_group_restarts(job, obs)
+        if any(r.get("phase") == "rolled_back" for r in obs.kinds("checkpoint")):
+            self.forward_control("restore.json", "", local=True)  # consumed on rank 0's node
+        faults = [f for d in self.detectors if (f := d.check(job, obs, agent_exit)) is not None]
+        self._decide_and_act(job, obs, agent_exit, faults)
+        job = self.store.get_job(self.name)
+        self._export(job, obs)
+        if job.state in TERMINAL:
+            self._cleanup(job)
+            return True
+        return False
+
+    # ---- decide + act ------------------------------------------------------------------------
+
+    def _decide_and_act(self, job: Job, obs: Observation, agent_exit: int | None,
+                        faults: list[Fault]) -> None:
+        s, want = job.state, job.desired_state
+        agent_running = self.agent is not None and agent_exit is None
+
+        if want in (JobState.STOPPED, JobState.PAUSED):
+            if agent_running:
+                self._deliver_command(job)
+                return
+            if s is JobState.PAUSED and want is JobState.PAUSED:
+                return
+            if job.command_action != "stop_now" and self._peers_busy(job):
+                return  # their ranks may still be committing the checkpoint
+            if job.done_reason == "completed" and agent_exit == 0:
+                # the last step came before the workers read the pause/stop command
+                self._to(JobState.COMPLETED, f"workers completed all steps ({job.step}) before "
+                         f"the {want.name.lower()} request took effect", agent_pid=0,
+                         agent_started=0)
+                return
+            reason = job.done_reason or ("no workers were running" if self.agent is None
+                                         else f"agent exit code {agent_exit}")
+            self._to(want, f"{want.name.lower()} on request ({reason})", agent_pid=0,
+                     agent_started=0)
+            return
+
+        if job.rollback_step >= 0:
+            self._rollback(job, agent_running)
+            return
+        if s is JobState.PENDING or s is JobState.PAUSED:
+            self._to(JobState.STARTING, "starting workers" if s is JobState.PENDING
+                     else "resuming from the newest checkpoint", agent_pid=0, agent_started=0,
+                     done_reason="")
+            self.agent = None
+            return
+        if s in (JobState.STARTING, JobState.RECOVERING) and self.agent is None:
+            if time.time() >= job.next_launch_at:
+                self._launch(job)
+            return
+
+        if agent_running:
+            self._deliver_command(job)
+            if s in (JobState.STARTING, JobState.RECOVERING) and obs.kinds("start", "step"):
+                self._to(JobState.RUNNING, "workers are training" if s is JobState.STARTING
+                         else "recovered: workers are training again")
+        elif agent_exit == 0 and job.done_reason:
+            if self._peers_busy(job):
+                return
+            end = {"completed": JobState.COMPLETED, "paused": JobState.PAUSED,
+                   "stopped": JobState.STOPPED}.get(job.done_reason, JobState.FAILED)
+            self._to(end, f"workers exited after `done` ({job.done_reason}) at step {job.step}",
+                     agent_pid=0, agent_started=0)
+            return
+
+        for fault in faults:
+            self.store.record(self.name, "fault", fault.message, cause=fault.cause)
+            self.ctx.metrics.faults.labels(self.name, fault.cause).inc()
+            self.log.warning("fault", cause=fault.cause, detail=fault.message, step=job.step)
+            if fault.restart:
+                self._restart_or_fail(job, fault)
+                return
+
+    def _restart_or_fail(self, job: Job, fault: Fault) -> None:
+        policy = RestartPolicy(max_restarts=self._config(job).launch.max_restarts)
+        decision = policy.decide(job.restarts, fault.cause)
+        self._kill_agent(now=True)
+        if not decision.restart:
+            self._to(JobState.FAILED, decision.reason, cause=fault.cause, agent_pid=0)
+            return
+        self.ctx.metrics.restarts.labels(self.name, fault.cause).inc()
+        self._to(JobState.RECOVERING, decision.reason, cause=fault.cause, agent_pid=0,
+                 agent_started=0, restarts=job.restarts + 1, done_reason="",
+                 next_launch_at=time.time() + decision.delay_s)
+
+    def _rollback(self, job: Job, agent_running: bool) -> None:
+        """Stop the workers without saving, tell them which step to load, start them again."""
+        if agent_running:
+            self._kill_agent(now=True)
+        self.jobdir.write_restore(job.rollback_step, job.command_id)
+        self.forward_control("restore.json", (self.jobdir.control / "restore.json").read_text())
+        dst = JobState.STARTING if job.state is JobState.PAUSED else JobState.RECOVERING
+        self._to(dst, f"rolling back to the checkpoint of step {job.rollback_step}",
+                 cause="rollback", rollback_step=-1, agent_pid=0, agent_started=0,
+                 done_reason="", next_launch_at=0)
+
+    def _launch(self, job: Job) -> None:
+        """Starts (or finds) the agent of the next attempt; intent (the attempt number) first."""
+        cfg = self._config(job)
+        self.jobdir.create(job.config_json)
+        attempt = job.attempt
+        found = Launcher.find(self.jobdir.path, attempt) if attempt else None
+        started_new = found is None or found.poll() is not None
+        if not started_new:
+            self.agent = found  # started before a daemon crash, never recorded
+        else:
+            attempt += 1
+            stray = kill_strays(self.jobdir.path)  # workers of an agent that was killed
+            if stray:
+                self.log.warning("ended stray workers before relaunch", pids=stray)
+            # commands were meant for the previous workers; new workers must not replay them
+            self.jobdir.command_file.unlink(missing_ok=True)
+            self.store.update(self.name, attempt=attempt, command_acked=job.command_id)
+            endpoint = self._ensure_rdzv(job)
+            run_id = f"{self.name}-a{attempt}"
+            self.agent = self.ctx.launcher.start(self.jobdir.path, cfg, attempt, endpoint,
+                                                 run_id)
+        assert self.agent is not None
+        self.store.record(self.name, "launch", f"agent attempt {attempt} pid {self.agent.ref.pid}",
+                          agent_pid=self.agent.ref.pid, agent_started=self.agent.ref.started)
+        self.log.info("agent started", attempt=attempt, pid=self.agent.ref.pid)
+        if started_new:
+            try:
+                self._start_peer_shares(cfg, endpoint, run_id, attempt)
+            except PeerError as e:
+                fault = Fault("node_lost", str(e), restart=True)
+                self.store.record(self.name, "fault", fault.message, cause=fault.cause)
+                self.ctx.metrics.faults.labels(self.name, fault.cause).inc()
+                self.log.warning("fault", cause=fault.cause, detail=fault.message)
+                self._restart_or_fail(self.store.get_job(self.name), fault)
+
+    def _ensure_rdzv(self, job: Job) -> str:
+        ref = ProcessRef(job.rdzv_pid, job.rdzv_started)
+        if not ref.alive():
+            ref, port = start_store(self.jobdir.path, self.ctx.rdzv_host)
+            self.store.update(self.name, rdzv_pid=ref.pid, rdzv_started=ref.started,
+                              rdzv_port=port)
+        else:
+            port = job.rdzv_port
+        return f"{self.ctx.rdzv_host}:{port}"
+
+    def _start_peer_shares(self, cfg: JobConfig, endpoint: str, run_id: str,
+                           attempt: int) -> None:
+        if cfg.launch.nnodes <= 1 or self.ctx.peers is None:
+            return
+        req = pb.StartShareRequest(config_json=cfg.dump_json(), head_node=self.ctx.node,
+                                   rdzv_endpoint=endpoint, run_id=run_id, attempt=attempt)
+        for address in cfg.launch.hosts[1:]:
+            resp = self.ctx.peers.start_share(address, req)
+            self.store.record(self.name, "share", f"node {resp.node} started its share "
+                              f"(agent pid {resp.agent_pid})")
+
+    def _deliver_command(self, job: Job) -> None:
+        """(Re)writes the pending command unless the workers already have it; escalates a
+        `stop_now` that the workers did not obey within the grace period."""
+        if not job.command_id or job.command_acked >= job.command_id:
+            return
+        current = self.jobdir.command()
+        if current is None or int(current.get("id", 0)) < job.command_id:
+            extra = {"fast": True} if job.command_action == "pause_fast" else {}
+            action = "pause" if job.command_action == "pause_fast" else job.command_action
+            self.jobdir.write_command(job.command_id, action, **extra)
+            self.forward_control("command.json", self.jobdir.command_file.read_text())
+            self.log.info("command written", id=job.command_id, action=action)
+            return
+        if job.command_action == "stop_now" and \
+                time.time() - float(current.get("time", 0)) > self.ctx.stop_now_grace_s:
+            self.log.info("stop --now: terminating the agent")
+            self._kill_agent(now=True)
+
+    def _kill_agent(self, now: bool) -> None:
+        """Ends the agent (its group) and any of its workers left behind (own sessions)."""
+        if self.agent is not None and self.agent.poll() is None:
+            self.agent.ref.terminate(grace_s=2.0 if now else 30.0)
+            if self.agent.popen is not None:
+                self.agent.popen.poll()
+        stray = kill_strays(self.jobdir.path)
+        if stray:
+            self.log.warning("ended stray workers", pids=stray)
+
+    # ---- other nodes of a multi-node job ----------------------------------------------------
+
+    def _peer_addresses(self, job: Job | None = None) -> list[str]:
+        cfg = self._config(job or self.store.get_job(self.name))
+        if cfg.launch.nnodes <= 1 or self.ctx.peers is None:
+            return []
+        return list(cfg.launch.hosts[1:])
+
+    def forward_control(self, file: str, text: str, local: bool = False) -> None:
+        """Copies a control file (text "" removes it; `local` also here) to every other node
+        of the job; a node that cannot be reached gets it on a later tick."""
+        if local:
+            self.jobdir.write_control(file, text)
+        for address in self._peer_addresses():
+            self._unsent[(address, file)] = text
+        self._send_unsent()
+
+    def _send_unsent(self) -> None:
+        assert self.ctx.peers is not None or not self._unsent
+        for (address, file), text in list(self._unsent.items()):
+            if time.monotonic() < self._peer_backoff.get(address, 0.0):
+                continue
+            try:
+                self.ctx.peers.share_control(address, self.name, file, text)  # type: ignore[union-attr]
+            except PeerError as e:
+                self._peer_backoff[address] = time.monotonic() + 5.0
+                self.log.warning("control file not delivered", node=address, file=file,
+                                 error=str(e))
+                continue
+            if self._unsent.get((address, file)) == text:
+                del self._unsent[(address, file)]
+
+    def _peers_busy(self, job: Job) -> bool:
+        """True while another node's agent of this job still runs after the workers here
+        ended (its ranks may still be uploading their checkpoint shards or committing the
+        manifest): the job ends, and its shares are stopped, only once they are done, or after
+        `peer_finish_timeout_s`. A node that does not answer counts as done."""
+        addresses = self._peer_addresses(job)
+        if not addresses:
+            return False
+        now = time.monotonic()
+        if self._peer_wait_since is None:
+            self._peer_wait_since = now
+        if now - self._peer_wait_since > self.ctx.peer_finish_timeout_s:
+            self.log.warning("other nodes' agents did not finish; ending them",
+                             waited_s=round(now - self._peer_wait_since))
+            self._peer_wait_since = None
+            return False
+        for address in addresses:
+            try:
+                status = self.ctx.peers.status(address)  # type: ignore[union-attr]
+            except PeerError as e:
+                self.log.warning("node did not answer NodeStatus", node=address, error=str(e))
+                continue
+            if any(sh.job == self.name and sh.agent_alive for sh in status.shares):
+                return True
+        self._peer_wait_since = None
+        return False
+
+    def _sync_peers(self, job: Job) -> None:
+        """Appends the other nodes' new report lines to reports/nodes/<node>/ (whole lines,
+        at the offset each copy already has, so a repeated pull never duplicates a record)."""
+        addresses = self._peer_addresses(job)
+        if not addresses:
+            return
+        self._send_unsent()
+        for address in addresses:
+            if time.monotonic() < self._peer_backoff.get(address, 0.0):
+                continue
+            mirror = self.jobdir.reports / "nodes" / re.sub(r"[^A-Za-z0-9._-]", "_", address)
+            mirror.mkdir(parents=True, exist_ok=True)
+            have = {p.name: p.stat().st_size for p in mirror.glob("rank-*.jsonl")}
+            try:
+                resp = self.ctx.peers.pull_reports(address, self.name, have)  # type: ignore[union-attr]
+            except PeerError as e:
+                self._peer_backoff[address] = time.monotonic() + 5.0
+                self.log.warning("cannot pull reports", node=address, error=str(e))
+                continue
+            for chunk in resp.chunks:
+                if not REPORT_FILE_RE.match(chunk.file) or chunk.offset != have.get(chunk.file, 0):
+                    continue
+                with open(mirror / chunk.file, "ab") as fh:
+                    fh.write(chunk.data)
+                have[chunk.file] = chunk.offset + len(chunk.data)
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+
+    def _to(self, dst: JobState, message: str, cause: str = "", **fields: Any) -> None:
+        job = self.store.transition(self.name, dst, message, cause=cause, **fields)
+        self.log.info("state", to=dst.name, message=message, step=job.step)
+        if fields.get("agent_pid") == 0:
+            self.agent = None
+
+    def _count_group_restarts(self, job: Job, obs: Observation) -> None:
+        """The agent's own group restarts (a rank-0 `start` with restart > 0) count against the
+        job's restart budget like the daemon's relaunches."""
+        new = {(job.attempt, int(r.get("restart", 0))) for r in obs.kinds("start")
+               if r.get("rank") == 0 and int(r.get("restart", 0)) > 0}
+        new -= self._seen_group_restarts
+        if new:
+            self._seen_group_restarts |= new
+            self.store.update(self.name, restarts=job.restarts + len(new))
+            self.ctx.metrics.restarts.labels(self.name, "worker_exit").inc(len(new))
+
+    def _export(self, job: Job, obs: Observation) -> None:
+        m = self.ctx.metrics
+        m.set_state(self.name, job.state)
+        m.step.labels(self.name).set(job.step)
+        if job.loss is not None:
+            m.loss.labels(self.name).set(job.loss)
+        m.tokens_per_s.labels(self.name).set(job.tokens_per_s)
+        for rec in obs.kinds("checkpoint"):
+            if isinstance(rec.get("blocked_s"), int | float):
+                m.checkpoint_blocked.labels(self.name).observe(float(rec["blocked_s"]))
+            if isinstance(rec.get("bytes"), int) and rec.get("phase") == "committed":
+                m.upload_bytes.labels(self.name).inc(rec["bytes"])
+
+    def _cleanup(self, job: Job) -> None:
+        """Terminal: nothing of the job may keep running on any node."""
+        self._kill_agent(now=True)
+        ProcessRef(job.rdzv_pid, job.rdzv_started).terminate(grace_s=2.0)
+        cfg = self._config(job)
+        if cfg.launch.nnodes > 1 and self.ctx.peers is not None:
+            for address in cfg.launch.hosts[1:]:
+                self.ctx.peers.stop_share(address, self.name, now=True)
+
+    @staticmethod
+    def _config(job: Job) -> JobConfig:
+        return JobConfig.model_validate_json(job.config_json)
+
+
+class Supervisors:
+    """The supervisor threads of one daemon, one per live job."""
+
+    def __init__(self, ctx: SupervisorContext) -> None:
+        self.ctx = ctx
+        self.stopping = threading.Event()
+        self._sups: dict[str, JobSupervisor] = {}
+        self._threads: dict[str, threading.Thread] = {}
+        self._lock = threading.Lock()
+
+    def resume_all(self) -> None:
+        """Daemon start: supervise every job that is still live (reattach or restart)."""
+        for job in self.ctx.store.list_jobs():
+            if job.state not in TERMINAL:
+                self.ensure(job.name)
+
+    def ensure(self, name: str) -> None:
+        with self._lock:
+            t = self._threads.get(name)
+            if t is not None and t.is_alive():
+                return
+            try:
+                sup = JobSupervisor(name, self.ctx)
+            except Ds3dError:
+                get_logger("ds3d.supervisor", job=name).exception("cannot supervise")
+                return
+            t = threading.Thread(target=sup.run, args=(self.stopping,), name=f"sup-{name}",
+                                 daemon=True)
+            self._sups[name], self._threads[name] = sup, t
+            t.start()
+
+    def forward_control(self, name: str, file: str, text: str) -> None:
+        """Copies a control file the service wrote on this (head) node to the job's other
+        nodes, through its supervisor (which retries nodes it cannot reach)."""
+        self.ensure(name)
+        sup = self._sups.get(name)
+        if sup is not None:
+            sup.forward_control(file, text)
+
+    def poke(self, name: str) -> None:
+        """Wakes a job's supervisor now (a new intent was stored), starting one if needed."""
+        self.ensure(name)
+        sup = self._sups.get(name)
+        if sup is not None:
+            sup.wake.set()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Daemon shutdown: supervision stops, the agents keep running (reattached on start)."""
+        self.stopping.set()
+        for sup in list(self._sups.values()):
+            sup.wake.set()
+        for t in list(self._threads.values()):
+            t.join(timeout_s)

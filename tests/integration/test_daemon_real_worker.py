@@ -1,0 +1,32 @@
+"""ds3dd running the real trainer (`ds3d.trainer.worker`, DeepSpeed on CPU/gloo) end to end:
+start, train to the last step, COMPLETED, with step metrics and a checkpoint in the index.
+
+Heavy: run serialised, `flock /tmp/ds3d-heavy.lock .venv/bin/pytest -m slow ...`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_daemon_support import DaemonProc, kill_job_processes
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    d = DaemonProc(tmp_path / "state", args=["--hang-timeout", "300"])
+    d.start()
+    yield d
+    d.stop()
+    kill_job_processes(d.state_dir)
+
+
+def test_real_worker_runs_to_completion(daemon):
+    r = daemon.ctl("start", "tiny", "--name", "real", "--steps", "6")
+    assert r.returncode == 0, r.stderr
+    job = daemon.wait_state("real", "COMPLETED", "FAILED", timeout_s=500)
+    assert job["state"] == "COMPLETED", daemon.ctl("logs", "real", "--lines", "40").stdout
+    assert job["step"] == 6 and job["loss"] is not None and job["tokens_per_s"] > 0
+    cks = json.loads(daemon.ctl("checkpoints", "real", "--json").stdout)
+    assert cks and cks[-1]["step"] == 6 and cks[-1]["present"]

@@ -1,0 +1,267 @@
+"""Helpers for the daemon integration tests (no tests here): run the real `ds3dd` as a
+subprocess, drive it with the real `ds3dctl`, and a contract-following stand-in worker.
+
+The stand-in worker exists so that lifecycle tests exercise the real elastic agent, rendezvous
+process, command files and report tailing in seconds instead of DeepSpeed start-up minutes; the
+production launcher still runs `ds3d.trainer.worker` (ds3dd's hidden --worker-module flag is how
+the tests swap it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+from ds3d.v1 import control_pb2 as pb
+from ds3d.v1 import control_pb2_grpc as pb_grpc
+
+BIN = Path(sys.executable).parent
+
+FAKE_WORKER = r'''
+"""Stand-in worker following the job-directory contract (daemon/jobdir.py), no torch."""
+import json, os, sys, time
+from pathlib import Path
+
+run_dir = Path(sys.argv[sys.argv.index("--run-dir") + 1])
+rank, restart = int(os.environ["RANK"]), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+world = int(os.environ["WORLD_SIZE"])
+cfg = json.loads((run_dir / "job.json").read_text())
+steps = cfg["train"]["steps"]
+step_s = float(os.environ.get("FAKE_STEP_S", "0.2"))
+ckpt = run_dir / "ckpt"
+(run_dir / "reports").mkdir(exist_ok=True)
+fh = open(run_dir / "reports" / f"rank-{rank:05d}.jsonl", "a", buffering=1)
+
+def emit(kind, **f):
+    fh.write(json.dumps({"kind": kind, "time": time.time(), "rank": rank, "restart": restart,
+                         "node": "test", "pid": os.getpid(), **f}) + "\n")
+
+def saved_steps():
+    return sorted(int(p.name.split("-")[1]) for p in ckpt.glob("step-*"))
+
+def save(step):
+    (ckpt / f"step-{step}").mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        emit("checkpoint", step=step, phase="saved", path=str(ckpt / f"step-{step}"),
+             blocked_s=0.01)
+
+restore = run_dir / "control" / "restore.json"
+have = saved_steps()
+step = json.loads(restore.read_text())["step"] if restore.exists() else (have[-1] if have else 0)
+emit("start", step=step, world_size=world, tp=1, pp=1, dp=world)
+seen = 0
+crash_marker = run_dir / "crashed-once"
+while True:
+    try:
+        cmd = json.loads((run_dir / "control" / "command.json").read_text())
+    except (FileNotFoundError, ValueError):
+        cmd = {"id": 0}
+    if cmd["id"] > seen:
+        seen = cmd["id"]
+        if cmd["action"] != "stop_now":
+            save(step)
+        emit("command", id=cmd["id"], action=cmd["action"], status="done", step=step)
+        if cmd["action"] in ("pause", "stop", "stop_now"):
+            emit("done", step=step, reason="paused" if cmd["action"] == "pause" else "stopped")
+            sys.exit(0)
+    if step >= steps:
+        save(step)
+        emit("done", step=step, reason="completed")
+        sys.exit(0)
+    crash_at = int(os.environ.get("FAKE_CRASH_AT_STEP", "-1"))
+    if step == crash_at and rank == 0 and not crash_marker.exists():
+        crash_marker.write_text("x")
+        sys.exit(3)
+    time.sleep(step_s)
+    step += 1
+    if rank == 0:
+        emit("step", step=step, loss=10.0 / step, tokens_per_s=1000.0, step_time_s=step_s)
+    emit("heartbeat", step=step, phase="train")
+'''
+
+
+def write_fake_worker(folder: Path) -> str:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "ds3d_fake_worker.py").write_text(FAKE_WORKER)
+    return "ds3d_fake_worker"
+
+
+class DaemonProc:
+    """A real ds3dd subprocess on a free loopback port; `stop()`/`kill()` always clean up."""
+
+    def __init__(self, state_dir: Path, *, token: str | None = None,
+                 worker_dir: Path | None = None, extra_env: dict[str, str] | None = None,
+                 args: list[str] | None = None, listen: str = "127.0.0.1:0",
+                 node: str = "test-node") -> None:
+        self.state_dir = state_dir
+        self.token = token
+        self.env = dict(os.environ)
+        self.env.update(extra_env or {})
+        self.argv = [str(BIN / "ds3dd"), "--state-dir", str(state_dir), "--listen",
+                     listen, "--node-name", node, *(args or [])]
+        if token:
+            tf = state_dir.parent / f"{state_dir.name}.token"
+            tf.write_text(token)
+            self.argv += ["--token-file", str(tf)]
+            self.token_file = tf
+        if worker_dir is not None:
+            self.argv += ["--worker-module", write_fake_worker(worker_dir)]
+            self.env["PYTHONPATH"] = f"{worker_dir}:{self.env.get('PYTHONPATH', '')}"
+        self.proc: subprocess.Popen[str] | None = None
+        self.addr = ""
+
+    def start(self, timeout_s: float = 30.0) -> "DaemonProc":
+        addr_file = self.state_dir / "ds3dd.addr"
+        addr_file.unlink(missing_ok=True)
+        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + timeout_s
+        while not addr_file.exists():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ds3dd exited: {self.proc.stdout.read()}")  # type: ignore
+            if time.monotonic() > deadline:
+                raise TimeoutError("ds3dd did not start")
+            time.sleep(0.05)
+        self.addr = addr_file.read_text()
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        if self.proc is not None and self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+    def stub(self) -> tuple[grpc.Channel, pb_grpc.ControlStub]:
+        channel = grpc.insecure_channel(self.addr)
+        return channel, pb_grpc.ControlStub(channel)
+
+    def md(self) -> list[tuple[str, str]]:
+        return [("authorization", f"Bearer {self.token}")] if self.token else []
+
+    def ctl(self, *argv: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess[str]:
+        env = dict(self.env)
+        env["DS3D_ADDR"] = self.addr
+        if self.token:
+            env["DS3D_TOKEN"] = self.token
+        return subprocess.run([str(BIN / "ds3dctl"), *argv], env=env, capture_output=True,
+                              text=True, timeout=timeout_s)
+
+    def job(self, name: str) -> dict:
+        r = self.ctl("status", name, "--json")
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+
+    def wait_state(self, name: str, *states: str, timeout_s: float = 120.0) -> dict:
+        deadline = time.monotonic() + timeout_s
+        job: dict = {}
+        while time.monotonic() < deadline:
+            job = self.job(name)
+            if job["state"] in states:
+                return job
+            time.sleep(0.3)
+        raise AssertionError(f"{name} not in {states} after {timeout_s} s: {job}")
+
+    def wait_for(self, name: str, pred, what: str, timeout_s: float = 120.0) -> dict:
+        deadline = time.monotonic() + timeout_s
+        job: dict = {}
+        while time.monotonic() < deadline:
+            job = self.job(name)
+            if pred(job):
+                return job
+            time.sleep(0.3)
+        raise AssertionError(f"{name}: {what} not reached after {timeout_s} s: {job}")
+
+    def events(self, name: str) -> list[dict]:
+        r = self.ctl("events", name, "--json")
+        assert r.returncode == 0, r.stderr
+        return [json.loads(line) for line in r.stdout.splitlines()]
+
+
+def kill_job_processes(state_dir: Path) -> None:
+    """Ends every agent and rendezvous process the daemon under `state_dir` started (by the
+    pids they recorded), so no test leaves processes behind."""
+    import psutil
+
+    for pattern in ("jobs/*/control/agent-*.pid", "shares/*/control/agent-*.pid"):
+        for pid_file in state_dir.glob(pattern):
+            _kill_tree(json.loads(pid_file.read_text())["pid"])
+    for run_dir in [*state_dir.glob("jobs/*"), *state_dir.glob("shares/*")]:
+        for pid in worker_procs(run_dir):
+            _kill_tree(pid)
+    db = state_dir / "ds3d.db"
+    if db.exists():
+        import sqlite3
+
+        con = sqlite3.connect(db)
+        for (pid,) in con.execute("SELECT rdzv_pid FROM jobs WHERE rdzv_pid > 0"):
+            _kill_tree(pid)
+        con.close()
+    del psutil
+
+
+def _kill_tree(pid: int) -> None:
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return
+    procs = [root, *root.children(recursive=True)]
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+
+
+def worker_procs(run_dir: str | Path) -> list[int]:
+    """Pids of live `ds3d.trainer.worker` processes of one job (by their --run-dir)."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["pid", "cmdline", "status"]):
+        cmd = p.info.get("cmdline") or []
+        if "ds3d.trainer.worker" in cmd and str(run_dir) in cmd and \
+                p.info.get("status") != psutil.STATUS_ZOMBIE:
+            out.append(p.info["pid"])
+    return out
+
+
+def new_token() -> str:
+    return secrets.token_urlsafe(24)
+
+
+def tiny_job_json(**sections: dict) -> str:
+    """A valid tiny job's JSON with sections overridden (for raw StartJob requests)."""
+    from ds3d.trainer.config import build_job_config
+
+    data = json.loads(build_job_config("tiny", name="raw").dump_json())
+    for key, over in sections.items():
+        if isinstance(over, dict):
+            data.setdefault(key, {}).update(over)
+        else:
+            data[key] = over
+    return json.dumps(data)
+
+
+__all__ = ["DaemonProc", "kill_job_processes", "new_token", "pb", "tiny_job_json",
+           "worker_procs"]

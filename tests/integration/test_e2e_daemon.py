@@ -1,0 +1,122 @@
+"""End to end through the real binaries: `ds3dd` (listening on a unix socket) driven by
+`ds3dctl`, running the real trainer (DeepSpeed on CPU/gloo, TP 2 x PP 2) through the elastic
+agent. Pause/resume must continue exactly where the pause left off: the per-step losses equal an
+uninterrupted run's. Stop saves a committed checkpoint first; stop --now does not.
+
+Heavy: run serialised, `flock /tmp/ds3d-heavy.lock .venv/bin/pytest tests/integration/test_e2e*`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from support import losses, records
+from test_daemon_support import DaemonProc, kill_job_processes, worker_procs
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+LAYOUT = ["--tp", "2", "--pp", "2", "--dp", "1"]
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    sock_dir = Path(tempfile.mkdtemp(prefix="ds3d-", dir="/tmp"))  # unix paths: < 108 bytes
+    d = DaemonProc(tmp_path / "state", listen=f"unix:{sock_dir}/ds3dd.sock",
+                   args=["--hang-timeout", "300"])
+    d.start()
+    yield d
+    d.stop()
+    kill_job_processes(d.state_dir)
+    shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+def manifest(run_dir: Path, name: str, step: int) -> Path:
+    """Where the job's default store (file://RUN_DIR/store) commits the checkpoint of `step`."""
+    return run_dir / "store" / name / "ckpt" / f"step-{step:08d}" / "MANIFEST.json"
+
+
+def wait_no_workers(run_dir: Path, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while worker_procs(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert worker_procs(run_dir) == [], f"workers of {run_dir} still running"
+
+
+def logs(d: DaemonProc, name: str) -> str:
+    return d.ctl("logs", name, "--lines", "30").stdout[-6000:]
+
+
+def test_pause_resume_matches_uninterrupted_run(daemon):
+    r = daemon.ctl("start", "tiny", "--name", "pr", *LAYOUT, "--steps", "20")
+    assert r.returncode == 0, r.stderr
+    job = daemon.wait_for("pr", lambda j: j["state"] == "RUNNING" and j["step"] >= 2 or
+                          j["state"] in ("FAILED", "COMPLETED"), "step 2", timeout_s=300)
+    assert job["state"] == "RUNNING", logs(daemon, "pr")
+    run_dir = Path(job["run_dir"])
+
+    r = daemon.ctl("pause", "pr")
+    assert r.returncode == 0, r.stderr
+    job = daemon.wait_state("pr", "PAUSED", "FAILED", "COMPLETED", timeout_s=180)
+    assert job["state"] == "PAUSED", logs(daemon, "pr")
+    paused = job["step"]
+    assert 2 <= paused < 20 and job["last_checkpoint_step"] == paused
+    assert manifest(run_dir, "pr", paused).is_file()  # committed before the workers exited
+    wait_no_workers(run_dir)
+
+    r = daemon.ctl("resume", "pr")
+    assert r.returncode == 0, r.stderr
+    job = daemon.wait_state("pr", "COMPLETED", "FAILED", timeout_s=300)
+    assert job["state"] == "COMPLETED", logs(daemon, "pr")
+    assert job["step"] == 20
+    starts = records(run_dir, 0, "start")
+    assert len(starts) == 2 and starts[-1]["step"] == paused
+    assert manifest(run_dir, "pr", 20).is_file()
+
+    r = daemon.ctl("start", "tiny", "--name", "ref", *LAYOUT, "--steps", "20")
+    assert r.returncode == 0, r.stderr
+    ref = daemon.wait_state("ref", "COMPLETED", "FAILED", timeout_s=300)
+    assert ref["state"] == "COMPLETED", logs(daemon, "ref")
+    assert len(records(Path(ref["run_dir"]), 0, "start")) == 1
+
+    got, want = losses(run_dir), losses(Path(ref["run_dir"]))
+    assert sorted(got) == sorted(want) == list(range(1, 21))
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-6), f"step {step}"
+
+
+def test_stop_saves_then_stops_and_stop_now_does_not(daemon):
+    for name in ("graceful", "abrupt"):
+        r = daemon.ctl("start", "tiny", "--name", name, *LAYOUT, "--steps", "100000")
+        assert r.returncode == 0, r.stderr
+    jobs = {name: daemon.wait_for(name, lambda j: j["state"] == "RUNNING" and j["step"] >= 2 or
+                                  j["state"] == "FAILED", "step 2", timeout_s=300)
+            for name in ("graceful", "abrupt")}
+    for name, job in jobs.items():
+        assert job["state"] == "RUNNING", logs(daemon, name)
+
+    assert daemon.ctl("stop", "abrupt", "--now").returncode == 0
+    assert daemon.ctl("stop", "graceful").returncode == 0
+    for name in ("graceful", "abrupt"):
+        job = daemon.wait_state(name, "STOPPED", "FAILED", timeout_s=180)
+        assert job["state"] == "STOPPED", logs(daemon, name)
+        wait_no_workers(Path(job["run_dir"]))
+        jobs[name] = job
+
+    g = jobs["graceful"]
+    assert g["last_checkpoint_step"] == g["step"] >= 2
+    assert manifest(Path(g["run_dir"]), "graceful", g["step"]).is_file()
+    done = records(Path(g["run_dir"]), 0, "done")
+    assert done and done[-1]["reason"] == "stopped"
+
+    a = jobs["abrupt"]
+    assert a["last_checkpoint_step"] == -1
+    assert not list((Path(a["run_dir"]) / "store").rglob("MANIFEST.json"))
+    # the daemon refuses to act on a finished job, in one line
+    r = daemon.ctl("pause", "abrupt")
+    assert r.returncode == 2 and "STOPPED" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    cks = json.loads(daemon.ctl("checkpoints", "graceful", "--json").stdout)
+    assert any(c["step"] == g["step"] and c["phase"] == "committed" for c in cks)

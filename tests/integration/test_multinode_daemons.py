@@ -1,0 +1,151 @@
+"""Two daemons on loopback acting as two nodes run one job together: the real trainer, one
+process per node (DP 2, gloo), launched by each daemon's own elastic agent. The head (A) gets the
+job with the host list [A, B], asks B to start its share (StartShare), and hosts the c10d
+rendezvous in its own store process; both agents join it. `ds3dctl status` answers for the whole
+job on either daemon (B passes the request on to the head), and so do pause and resume: global
+rank 0, which reads the commands, lands on either node, so the head copies command files to B.
+Paused and resumed, the job's losses equal a one-node torchrun of the same layout.
+
+Heavy: run serialised, `flock /tmp/ds3d-heavy.lock .venv/bin/pytest tests/integration/test_multinode*`."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from support import losses, records, torchrun
+from test_daemon_support import DaemonProc, kill_job_processes, new_token, pb, worker_procs
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def rank0_records(run_dir: Path, kind: str) -> list[dict]:
+    path = run_dir / "reports" / "rank-00000.jsonl"
+    return records(run_dir, 0, kind) if path.exists() else []
+
+
+@pytest.fixture
+def nodes(tmp_path):
+    token = new_token()
+    # torch elastic ranks nodes by address: 127.0.0.1 < 127.0.0.2 puts global rank 0 on B,
+    # so commands only reach rank 0 through the head's copy of command.json to B
+    a = DaemonProc(tmp_path / "a", token=token, node="node-a",
+                   args=["--hang-timeout", "300", "--node-addr", "127.0.0.2",
+                         "--enable-fault-injection"])
+    b = DaemonProc(tmp_path / "b", token=token, node="node-b",
+                   args=["--hang-timeout", "300", "--node-addr", "127.0.0.1"])
+    a.start()
+    b.start()
+    yield a, b
+    for d in (a, b):
+        d.stop()
+    for d in (a, b):
+        kill_job_processes(d.state_dir)
+
+
+def test_two_daemons_run_one_job(nodes, tmp_path):
+    a, b = nodes
+    store = tmp_path / "shared-store"  # the durable tier both nodes write (s3:// in production)
+    r = a.ctl("start", "tiny", "--name", "mn", "--dp", "2", "--steps", "300",
+              "--hosts", f"{a.addr},{b.addr}", "--store", f"file://{store}")
+    assert r.returncode == 0, r.stderr
+
+    running = a.wait_for("mn", lambda j: j["step"] >= 3 or j["state"] in ("FAILED", "COMPLETED"),
+                         "step 3", timeout_s=300)
+    assert running["state"] == "RUNNING", a.ctl("logs", "mn").stdout[-5000:]
+    seen_from_b = b.job("mn")  # forwarded to the head
+    assert seen_from_b["node"] == "node-a" and seen_from_b["layout"]["nnodes"] == 2
+    assert seen_from_b["world_size"] == 2 and seen_from_b["step"] >= 3
+    assert "mn" in b.ctl("status").stdout
+
+    # an injection (asked on B, passed on to the head) is copied to every node: the rank it
+    # names may run on either (this one is scheduled after the last step: it never fires)
+    r = b.ctl("inject", "mn", "slow", "--rank", "1", "--at-step", "1000000")
+    assert r.returncode == 0, r.stderr
+    share_inject = b.state_dir / "shares" / "mn" / "control" / "inject.json"
+    head_inject = Path(running["run_dir"]) / "control" / "inject.json"
+    assert json.loads(share_inject.read_text()) == json.loads(head_inject.read_text())
+    assert json.loads(share_inject.read_text())["rank"] == 1
+
+    r = b.ctl("pause", "mn")  # asked on the other node: passed on to the head
+    assert r.returncode == 0, r.stderr
+    paused = b.wait_state("mn", "PAUSED", "FAILED", "COMPLETED", timeout_s=180)
+    assert paused["state"] == "PAUSED", a.ctl("logs", "mn").stdout[-5000:]
+    assert paused["last_checkpoint_step"] == paused["step"] < 300
+    assert (store / "mn" / "ckpt" / f"step-{paused['step']:08d}" / "MANIFEST.json").is_file()
+    head_dir, share_dir = Path(paused["run_dir"]), b.state_dir / "shares" / "mn"
+    assert worker_procs(head_dir) == worker_procs(share_dir) == []
+    assert b.ctl("resume", "mn").returncode == 0
+
+    done = a.wait_state("mn", "COMPLETED", "FAILED", timeout_s=300)
+    assert done["state"] == "COMPLETED", a.ctl("logs", "mn").stdout[-5000:]
+    assert done["step"] == 300 and done["world_size"] == 2 and math.isfinite(done["loss"])
+    assert b.job("mn") == a.job("mn")
+
+    # one agent per daemon, both on the head's rendezvous store process
+    port = int((head_dir / "control" / "rdzv.port").read_text())
+    for run_dir in (head_dir, share_dir):
+        spec = json.loads((run_dir / "control" / "agent-1.json").read_text())
+        assert spec["rdzv_endpoint"] == f"127.0.0.1:{port}" and spec["nproc_per_node"] == 1
+        assert spec["run_id"] == "mn-a1"
+        assert json.loads((run_dir / "control" / "agent-2.json").read_text())["run_id"] == "mn-a2"
+        assert worker_procs(run_dir) == []
+    assert not (head_dir / "reports" / "rank-00000.jsonl").exists()
+    assert (share_dir / "reports" / "rank-00000.jsonl").exists()
+    # each node ran one rank per attempt (which one is the rendezvous' choice)
+    for d in (head_dir, share_dir):
+        per_node = [r for f in (d / "reports").glob("rank-*.jsonl")
+                    for r in records(d, int(f.stem.split("-")[1]), "start")]
+        assert len(per_node) == 2, d
+    starts = [r for d in (head_dir, share_dir) for r in rank0_records(d, "start")]
+    assert len(starts) == 2 and {r["world_size"] for r in starts} == {2}
+    assert sorted(r["step"] for r in starts) == [0, paused["step"]]
+    got = {r["step"]: r["loss"] for r in sorted(
+        (r for d in (head_dir, share_dir) for r in rank0_records(d, "step")),
+        key=lambda r: r["time"])}
+    assert sorted(got) == list(range(1, 301))
+    ref_dir = tmp_path / "ref"
+    torchrun(ref_dir, 2, sets=["name=mn", "parallel.dp=2", "train.steps=300"])
+    want = losses(ref_dir)
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-6), f"step {step}"
+    # the head saw every rank's records: the share's were pulled into reports/nodes/
+    assert list((head_dir / "reports" / "nodes").glob("*/rank-*.jsonl"))
+    events = a.events("mn")
+    assert {e["rank"] for e in events if e["kind"] == "start"} == {0, 1}
+    assert [e["to"] for e in events if e["kind"] == "state"][-4:] == \
+        ["PAUSED", "STARTING", "RUNNING", "COMPLETED"]
+    assert any(e["kind"] == "share" for e in events)
+    assert (store / "mn" / "ckpt" / "step-00000300" / "MANIFEST.json").is_file()
+
+    channel, stub = b.stub()
+    try:
+        status = stub.NodeStatus(pb.NodeStatusRequest(), metadata=b.md(), timeout=10)
+    finally:
+        channel.close()
+    assert status.node == "node-b" and [s.job for s in status.shares] == ["mn"]
+    assert status.shares[0].exit_code == 0
+
+
+def test_unreachable_node_fails_the_launch_cleanly(tmp_path):
+    """A node in the host list whose daemon is down: StartShare fails, the launch counts as a
+    `node_lost` fault against the restart budget (0 here), and nothing is left running."""
+    a = DaemonProc(tmp_path / "a", node="node-a", worker_dir=tmp_path / "worker",
+                   args=["--hang-timeout", "60"]).start()
+    try:
+        r = a.ctl("start", "tiny", "--name", "lonely", "--dp", "2", "--hosts",
+                  f"{a.addr},127.0.0.1:1", "--store", f"file://{tmp_path}/store",
+                  "--set", "launch.max_restarts=0")
+        assert r.returncode == 0, r.stderr
+        job = a.wait_state("lonely", "FAILED", "RUNNING", "COMPLETED", timeout_s=120)
+        assert job["state"] == "FAILED"
+        assert "node_lost" in job["message"] and "restart budget" in job["message"]
+        faults = [e for e in a.events("lonely") if e["kind"] == "fault"]
+        assert faults and faults[0]["cause"] == "node_lost"
+        assert "127.0.0.1:1" in faults[0]["message"]
+        assert worker_procs(Path(job["run_dir"])) == []
+    finally:
+        a.stop()
+        kill_job_processes(a.state_dir)

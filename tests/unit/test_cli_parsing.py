@@ -1,0 +1,75 @@
+"""ds3dctl's command line: parsing, shorthand flags, one-line errors with exit code 2, and no
+torch/deepspeed import."""
+
+import subprocess
+import sys
+
+import pytest
+
+from ds3d.daemon import cli
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def parse(*argv):
+    return cli.build_parser().parse_args(list(argv))
+
+
+def test_start_shorthands_become_overrides():
+    a = parse("start", "tiny", "--tp", "2", "--pp", "2", "--dp", "1", "--nodes", "1",
+              "--steps", "7", "--store", "file:///tmp/x", "--set", "train.lr=1e-3")
+    assert cli.start_overrides(a) == [
+        "parallel.tp=2", "parallel.pp=2", "parallel.dp=1", "launch.nnodes=1", "train.steps=7",
+        'checkpoint.store="file:///tmp/x"', "train.lr=1e-3"]
+
+
+def test_commands_parse():
+    assert parse("pause", "j", "--fast").fast
+    assert parse("stop", "j", "--now").now
+    assert parse("status", "--json").job is None
+    assert parse("rollback", "j", "5").step == 5
+    assert parse("events", "j", "-f").follow
+    assert parse("list", "--all").all
+
+
+def test_addr_from_environment(monkeypatch):
+    monkeypatch.setenv("DS3D_ADDR", "unix:/tmp/x.sock")
+    assert parse("list").addr == "unix:/tmp/x.sock"
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["rollback", "j", "five"], "invalid int value"),
+    (["frobnicate"], "invalid choice"),
+    (["start"], "required"),
+    (["start", "tiny", "--set", "noequals"], "expected KEY=VALUE"),
+    (["start", "tiny", "--set", "train.bogus=1"], "train.bogus: unknown setting"),
+    (["start", "tiny", "--steps", "-3"], "train.steps=-3"),
+    (["start", "nope"], "unknown preset 'nope'"),
+    (["start", "tiny", "--tp", "3"], "not divisible by parallel.tp=3"),
+    (["start", "tiny", "--name", "../../etc"], "name"),
+    (["start", "tiny", "--pp", "2", "--set", "parallel.zero_stage=3"], "ZeRO-2/3"),
+    (["start", "tiny", "--set", "train.global_batch_size=7"], "global_batch_size=7"),
+])
+def test_bad_input_is_one_message_and_exit_2(argv, needle, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--addr", "127.0.0.1:1", *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert needle in err
+    assert err.startswith("ds3dctl")
+    assert "Traceback" not in err
+
+
+def test_unreachable_daemon_is_exit_3(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--addr", "127.0.0.1:1", "--timeout", "2", "list"])
+    assert e.value.code == 3
+    assert "cannot reach ds3dd at 127.0.0.1:1" in capsys.readouterr().err
+
+
+def test_cli_imports_no_torch_or_deepspeed():
+    code = ("import sys, ds3d.daemon.cli; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'deepspeed')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"

@@ -1,0 +1,97 @@
+"""Pure logic of the multi-node plumbing and of fault injection files (no processes): a share's
+report bytes are handed out in whole lines from the head's offsets, copies of other nodes'
+reports are tailed under their own keys, control files are written atomically and only by name,
+and peers beyond loopback are refused without TLS."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ds3d.daemon.jobdir import JobDir
+from ds3d.daemon.launcher import Launcher
+from ds3d.daemon.peers import PeerClient, PeerError, Shares, check_peer_address
+from ds3d.daemon.reports import ReportTail
+from ds3d.daemon.store import Store
+from ds3d.trainer.config import build_job_config
+from ds3d.trainer.errors import ConfigError
+from ds3d.trainer.report import Reporter
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def share(tmp_path: Path, name: str = "mn") -> tuple[Shares, JobDir]:
+    root = tmp_path / "shares"
+    cfg = build_job_config("tiny", ['launch.hosts=["127.0.0.1:7000", "127.0.0.1:7001"]',
+                                    "launch.nnodes=2", "parallel.dp=2",
+                                    'checkpoint.store="file:///tmp/x"'], name=name)
+    jobdir = JobDir(root, name)
+    jobdir.create(cfg.dump_json())
+    return Shares(root, Launcher()), jobdir
+
+
+def test_pull_hands_out_whole_lines_from_offsets(tmp_path):
+    shares, jobdir = share(tmp_path)
+    path = jobdir.reports / "rank-00001.jsonl"
+    path.write_bytes(b'{"a": 1}\n{"b": 2}\n{"c": ')  # last line still being written
+    (chunk,) = shares.pull("mn", {})
+    assert (chunk.file, chunk.offset, chunk.data) == ("rank-00001.jsonl", 0,
+                                                     b'{"a": 1}\n{"b": 2}\n')
+    (chunk,) = shares.pull("mn", {"rank-00001.jsonl": 9})
+    assert chunk.offset == 9 and chunk.data == b'{"b": 2}\n'
+    assert shares.pull("mn", {"rank-00001.jsonl": 18}) == []
+    assert shares.pull("mn", {}, max_bytes=12)[0].data == b'{"a": 1}\n'
+    assert shares.pull("other", {}) is None  # no share of that job here
+    assert shares.head_address("mn") == "127.0.0.1:7000"
+    assert shares.head_address("other") is None and shares.names() == ["mn"]
+
+
+def test_control_files_by_name_only(tmp_path):
+    shares, jobdir = share(tmp_path)
+    assert shares.control("mn", "command.json", '{"id": 3, "action": "pause"}')
+    assert jobdir.command() == {"id": 3, "action": "pause"}
+    assert shares.control("mn", "command.json", "") and jobdir.command() is None
+    with pytest.raises(ConfigError, match="not one of"):
+        shares.control("mn", "../job.json", "{}")
+    assert not shares.control("other", "inject.json", "{}")
+
+
+def test_inject_file_is_atomic_and_checked(tmp_path):
+    jobdir = JobDir(tmp_path, "j")
+    jobdir.create("{}")
+    text = jobdir.write_inject(4, "hang", 1, 17)
+    d = json.loads(text)
+    assert (d["id"], d["kind"], d["rank"], d["at_step"]) == (4, "hang", 1, 17)
+    assert jobdir.inject()["kind"] == "hang" and not list(jobdir.control.glob(".*.tmp"))
+    with pytest.raises(ValueError):
+        jobdir.write_inject(5, "melt", 0, 1)
+
+
+def test_report_copies_from_other_nodes_are_tailed_separately(tmp_path):
+    store = Store(tmp_path / "db.sqlite")
+    jobdir = JobDir(tmp_path / "jobs", "mn")
+    jobdir.create("{}")
+    store.create_job("mn", "{}", "a", str(jobdir.path))
+    Reporter(jobdir.path, 1, 0).emit("heartbeat", step=1, phase="train")
+    mirror = jobdir.reports / "nodes" / "127.0.0.1_7001"
+    mirror.mkdir(parents=True)
+    (mirror / "rank-00000.jsonl").write_text(json.dumps(
+        {"kind": "step", "time": 1.0, "rank": 0, "restart": 0, "step": 1, "loss": 2.5,
+         "tokens_per_s": 10.0, "step_time_s": 0.1}) + "\n")
+    tail = ReportTail(store, jobdir)
+    obs = tail.poll()
+    assert sorted(obs.last_seen) == [0, 1]
+    assert set(store.offsets("mn")) == {"rank-00001.jsonl",
+                                        "nodes/127.0.0.1_7001/rank-00000.jsonl"}
+    assert store.get_job("mn").step == 1 and store.get_job("mn").loss == 2.5
+    assert tail.poll().records == []  # nothing counted twice
+    store.close()
+
+
+def test_peers_beyond_loopback_need_tls():
+    check_peer_address("127.0.0.1:7531", None)
+    check_peer_address("unix:/run/ds3d.sock", None)
+    with pytest.raises(ConfigError, match="mutual TLS"):
+        check_peer_address("10.0.0.2:7531", None)
+    with pytest.raises(PeerError, match="mutual TLS"):
+        PeerClient(None, None).status("node2.cluster:7531")

@@ -1,0 +1,75 @@
+"""The job state table: allowed transitions, refusals, and request checks."""
+
+import pytest
+
+from ds3d.daemon.states import (ACTION_STATES, LIVE, TERMINAL, TRANSITIONS, JobState,
+                                can_transition, check_action, check_transition)
+from ds3d.trainer.errors import StateError
+
+pytestmark = pytest.mark.timeout(10)
+
+LEGAL = [
+    (JobState.PENDING, JobState.STARTING), (JobState.STARTING, JobState.RUNNING),
+    (JobState.RUNNING, JobState.PAUSED), (JobState.PAUSED, JobState.RUNNING),
+    (JobState.PAUSED, JobState.STARTING), (JobState.RUNNING, JobState.RECOVERING),
+    (JobState.RECOVERING, JobState.RUNNING),
+    *[(s, end) for s in LIVE for end in TERMINAL],
+]
+
+
+@pytest.mark.parametrize("src,dst", LEGAL)
+def test_legal_transitions(src, dst):
+    assert can_transition(src, dst)
+    check_transition("j", src, dst)
+
+
+@pytest.mark.parametrize("src,dst", [
+    (JobState.PENDING, JobState.RUNNING), (JobState.PENDING, JobState.PAUSED),
+    (JobState.STOPPED, JobState.RUNNING), (JobState.COMPLETED, JobState.STARTING),
+    (JobState.FAILED, JobState.RECOVERING), (JobState.PAUSED, JobState.RECOVERING),
+    (JobState.RUNNING, JobState.PENDING), (JobState.RUNNING, JobState.RUNNING),
+])
+def test_illegal_transitions_raise_state_error(src, dst):
+    assert not can_transition(src, dst)
+    with pytest.raises(StateError, match=f"from {src.name} to {dst.name}") as e:
+        check_transition("j", src, dst)
+    assert e.value.grpc_code == "FAILED_PRECONDITION"
+
+
+def test_terminal_states_have_no_exit():
+    for s in TERMINAL:
+        assert not TRANSITIONS[s]
+        assert not s.live
+
+
+def test_values_match_proto_enum():
+    from ds3d.v1 import control_pb2 as pb
+
+    for s in JobState:
+        assert pb.JobState.Value(s.name) == s.value
+
+
+@pytest.mark.parametrize("action,state,ok", [
+    ("pause", JobState.RUNNING, True), ("pause", JobState.PAUSED, False),
+    ("pause", JobState.STOPPED, False), ("resume", JobState.PAUSED, True),
+    ("resume", JobState.RUNNING, False), ("stop", JobState.PENDING, True),
+    ("stop", JobState.COMPLETED, False), ("save", JobState.RUNNING, True),
+    ("save", JobState.PAUSED, False), ("rollback", JobState.PAUSED, True),
+    ("rollback", JobState.FAILED, False),
+])
+def test_actions(action, state, ok):
+    if ok:
+        check_action("j", action, state)
+    else:
+        with pytest.raises(StateError, match=f"cannot {action} job 'j': it is {state.name}"):
+            check_action("j", action, state)
+
+
+def test_every_action_allows_only_live_states():
+    for states in ACTION_STATES.values():
+        assert states <= LIVE
+
+
+def test_pause_of_stopped_job_says_what_to_do():
+    with pytest.raises(StateError, match="start a new job"):
+        check_action("j", "pause", JobState.STOPPED)
