@@ -9,6 +9,9 @@ appended to --out after every section, so a run cut short still leaves what it m
 Sections:
   peak          bf16 matmul TFLOP/s (8192^3) and device-to-host GB/s into pinned / pageable memory
   plain         the same model in a minimal PyTorch loop (autocast bf16, SDPA, fused AdamW)
+  plain_unfused_adam, plain_math_attention
+                the same without fused AdamW / without flash attention (SDPA's math path):
+                what each fused kernel gains
   plain_compile the same + torch.compile
   deepspeed     plain DeepSpeed: the same PipelineModule through deepspeed.initialize/train_batch,
                 ZeRO-1, bf16, without ds3d's loop (no reports, no per-step agreement, no faults)
@@ -38,8 +41,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SECTIONS = ["peak", "plain", "plain_compile", "deepspeed", "ds3d", "ds3d_compile", "profile",
-            "checkpoint", "restore"]
+SECTIONS = ["peak", "plain", "plain_unfused_adam", "plain_math_attention", "plain_compile",
+            "deepspeed", "ds3d", "ds3d_compile", "profile", "checkpoint", "restore"]
 DATASHEET_BF16_TFLOPS = 989.0
 
 
@@ -158,8 +161,13 @@ def sec_peak(args) -> dict:
             "d2h_pinned_GBps": bw["pinned"], "d2h_pageable_GBps": bw["pageable"]}
 
 
-def sec_plain(args, compile_: bool = False) -> dict:
-    """A minimal PyTorch loop: no DeepSpeed, no ds3d; fp32 master weights, autocast bf16."""
+def sec_plain(args, compile_: bool = False, fused_adam: bool = True,
+              attention: str = "auto") -> dict:
+    """A minimal PyTorch loop: no DeepSpeed, no ds3d; fp32 master weights, autocast bf16.
+    `fused_adam=False` and `attention="math"` (SDPA's unfused reference path instead of the
+    flash / cuDNN kernels) measure what each fused kernel gains."""
+    import contextlib
+
     import torch
 
     from ds3d.trainer.model import GPTSequential
@@ -174,8 +182,14 @@ def sec_plain(args, compile_: bool = False) -> dict:
     other = [p for n, p in model.named_parameters() if not (n.endswith("weight") and p.dim() >= 2)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
                              {"params": other, "weight_decay": 0.0}], lr=1e-4,
-                            fused=device.type == "cuda")
+                            fused=device.type == "cuda" and fused_adam,
+                            foreach=None if fused_adam else False)
     step_model = torch.compile(model) if compile_ else model
+    if attention == "math":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        attn_ctx = lambda: sdpa_kernel([SDPBackend.MATH])  # noqa: E731
+    else:
+        attn_ctx = contextlib.nullcontext
     plan = BatchPlan(cfg, 1, 0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     times, first = [], None
@@ -183,7 +197,8 @@ def sec_plain(args, compile_: bool = False) -> dict:
         t0 = time.perf_counter()
         for x, y in plan.step_iterator(step):
             x, y = torch.from_numpy(x).to(device), torch.from_numpy(y).to(device)
-            with torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda"):
+            with torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda"), \
+                    attn_ctx():
                 loss = step_model(x, y)
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -276,9 +291,12 @@ def sec_profile(args) -> dict:
         t = getattr(ev, "device_time_total", 0.0) or getattr(ev, "cuda_time_total", 0.0)
         if device.type != "cuda" or t <= 0 or ev.device_type.name != "CUDA":
             continue
+        if getattr(ev, "is_user_annotation", False) or "#" in ev.key or \
+                ev.key.startswith(("ProfilerStep", "Optimizer.")):
+            continue  # annotations span kernels already counted: counting them is double
         name = ev.key.lower()
-        cat = ("matmul" if any(k in name for k in ("gemm", "cutlass", "xmma", "sm90", "nvjet"))
-               else "attention" if any(k in name for k in ("flash", "fmha", "attention"))
+        cat = ("attention" if any(k in name for k in ("sdpa", "flash", "fmha", "attention"))
+               else "matmul" if any(k in name for k in ("gemm", "cutlass", "xmma", "sm90", "nvjet"))
                else "communication" if "nccl" in name
                else "memcpy" if "memcpy" in name or "memset" in name
                else "optimizer" if "adam" in name or "multi_tensor" in name
@@ -412,6 +430,8 @@ def sec_restore(args) -> dict:
 
 def run_section(name: str, args) -> dict:
     fn = {"peak": sec_peak, "plain": sec_plain,
+          "plain_unfused_adam": lambda a: sec_plain(a, fused_adam=False),
+          "plain_math_attention": lambda a: sec_plain(a, attention="math"),
           "plain_compile": lambda a: sec_plain(a, compile_=True),
           "deepspeed": sec_deepspeed, "ds3d": sec_ds3d,
           "ds3d_compile": lambda a: sec_ds3d(a, compile_=True),
@@ -478,7 +498,8 @@ def main() -> None:
 def print_table(report: dict) -> None:
     s = report["sections"]
     print("\nsetup            s/step   tokens/s   MFU(989)  MFU(meas.)  first step s")
-    for name in ("plain", "plain_compile", "deepspeed", "ds3d", "ds3d_compile"):
+    for name in ("plain", "plain_unfused_adam", "plain_math_attention", "plain_compile",
+                 "deepspeed", "ds3d", "ds3d_compile"):
         r = s.get(name, {})
         if "step_s" in r:
             print(f"{name:15} {r['step_s']:7.4f} {r['tokens_per_s']:10.0f} "

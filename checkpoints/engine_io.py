@@ -170,8 +170,11 @@ class CheckpointManager:
         self.uploader.submit(step, files, meta)
 
     def _on_upload_event(self, ev: UploadEvent) -> None:
+        extra: dict[str, Any] = {}
+        if ev.kind == "committed":  # the whole checkpoint's size, for the upload-bytes metric
+            extra["bytes"] = self.catalog.load_manifest(ev.step).total_size
         self.emit("checkpoint", step=ev.step, phase=ev.kind, seconds=round(ev.seconds, 3),
-                  detail=ev.detail)
+                  detail=ev.detail, **extra)
         if ev.kind == "committed":
             c = self.cfg.checkpoint
             deleted = self.catalog.apply_retention(c.keep_last, c.keep_every)

@@ -49,7 +49,11 @@ def _already_aborted(context: grpc.ServicerContext) -> bool:
 
 
 class ErrorInterceptor(grpc.ServerInterceptor):
-    """Maps exceptions of unary and server-streaming handlers to status codes."""
+    """Maps exceptions of unary and server-streaming handlers to status codes, and counts every
+    call by method (`on_call`, e.g. the Prometheus RPC counter)."""
+
+    def __init__(self, on_call: Callable[[str], None] | None = None) -> None:
+        self.on_call = on_call
 
     def intercept_service(self, continuation: Callable[[Any], Any],
                           handler_call_details: grpc.HandlerCallDetails) -> Any:
@@ -57,6 +61,8 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         if handler is None:
             return None
         method = handler_call_details.method
+        if self.on_call is not None:
+            self.on_call(method)
         if handler.unary_unary is not None:
             inner_uu = handler.unary_unary
 

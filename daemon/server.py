@@ -90,7 +90,8 @@ class Daemon:
         interceptors: list[grpc.ServerInterceptor] = []
         if self.opts.token:
             interceptors.append(TokenInterceptor(self.opts.token))
-        interceptors.append(ErrorInterceptor())
+        interceptors.append(ErrorInterceptor(
+            on_call=lambda method: self.metrics.rpcs.labels(method).inc()))
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="rpc"),
             interceptors=interceptors,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from ds3d.trainer.config import JobConfig, validate_job
+from ds3d.trainer.config import JobConfig, explain, validate_job
 from ds3d.trainer.errors import ConfigError, NotFoundError, StateError
 
 from .jobdir import INJECT_KINDS, JobDir
@@ -46,18 +46,7 @@ def parse_config(config_json: str) -> JobConfig:
     try:
         cfg = JobConfig.model_validate_json(config_json)
     except ValidationError as e:
-        lines = []
-        for err in e.errors():
-            where = ".".join(str(p) for p in err["loc"]) or "(top level)"
-            if err["type"] == "extra_forbidden":
-                lines.append(f"{where}: unknown setting; check the spelling")
-            elif err["type"] == "missing":
-                lines.append(f"{where}: required but missing")
-            elif err["type"] == "json_invalid":
-                lines.append(f"the request is not valid JSON ({err['msg']})")
-            else:
-                lines.append(f"{where}={err.get('input')!r}: {err['msg']}")
-        raise ConfigError("invalid job configuration:\n  " + "\n  ".join(lines)) from None
+        raise ConfigError(explain(e, "request")) from None
     validate_job(cfg)
     if cfg.launch.nnodes > 1 and len(cfg.launch.hosts) != cfg.launch.nnodes:
         raise ConfigError(

@@ -194,14 +194,15 @@ class JobConfig(_Section):
         try:
             return cls.model_validate_json(Path(path).read_text())
         except ValidationError as e:
-            raise ConfigError(_explain(e, str(path))) from None
+            raise ConfigError(explain(e, str(path))) from None
 
 
 # --------------------------------------------------------------------------------------------
 # Loading: preset or TOML, then overrides, then cross-field validation.
 
 
-def _explain(err: ValidationError, source: str) -> str:
+def explain(err: ValidationError, source: str) -> str:
+    """A pydantic error as lines a person can act on: the field, the value, what is wrong."""
     lines = []
     for e in err.errors():
         where = ".".join(str(p) for p in e["loc"]) or "(top level)"
@@ -209,6 +210,8 @@ def _explain(err: ValidationError, source: str) -> str:
             lines.append(f"{where}: unknown setting; check the spelling (see docs/configuration.md)")
         elif e["type"] == "missing":
             lines.append(f"{where}: required but missing")
+        elif e["type"] == "json_invalid":
+            lines.append(f"not valid JSON ({e['msg']})")
         else:
             lines.append(f"{where}={e.get('input')!r}: {e['msg']}")
     return f"invalid job configuration ({source}):\n  " + "\n  ".join(lines)
@@ -271,7 +274,7 @@ def build_job_config(source: str, overrides: list[str] | None = None,
     try:
         cfg = JobConfig.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_explain(e, source)) from None
+        raise ConfigError(explain(e, source)) from None
     validate_job(cfg)
     return cfg
 

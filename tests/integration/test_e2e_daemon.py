@@ -17,6 +17,8 @@ import pytest
 from support import losses, records
 from test_daemon_support import DaemonProc, kill_job_processes, worker_procs
 
+from fixtures.s3 import free_port
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 LAYOUT = ["--tp", "2", "--pp", "2", "--dp", "1"]
@@ -26,7 +28,7 @@ LAYOUT = ["--tp", "2", "--pp", "2", "--dp", "1"]
 def daemon(tmp_path):
     sock_dir = Path(tempfile.mkdtemp(prefix="ds3d-", dir="/tmp"))  # unix paths: < 108 bytes
     d = DaemonProc(tmp_path / "state", listen=f"unix:{sock_dir}/ds3dd.sock",
-                   args=["--hang-timeout", "300"])
+                   args=["--hang-timeout", "300", "--metrics-port", str(free_port())])
     d.start()
     yield d
     d.stop()
@@ -120,3 +122,50 @@ def test_stop_saves_then_stops_and_stop_now_does_not(daemon):
     assert r.returncode == 2 and "STOPPED" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     cks = json.loads(daemon.ctl("checkpoints", "graceful", "--json").stdout)
     assert any(c["step"] == g["step"] and c["phase"] == "committed" for c in cks)
+
+
+def test_daemon_sigkill_mid_training_job_still_completes_with_full_history(daemon):
+    """SIGKILL ds3dd while the real workers train; a new ds3dd knows the job, reattaches to the
+    agent it left, and the job ends COMPLETED with every event, the old ones unchanged."""
+    name = "survive"
+    run_dir = daemon.state_dir / "jobs" / name
+    assert daemon.ctl("start", "tiny", "--name", name, *LAYOUT, "--steps", "30").returncode == 0
+    daemon.wait_for(name, lambda j: j["state"] == "RUNNING" and j["step"] >= 3, "step 3",
+                    timeout_s=300)
+    before = daemon.events(name)
+    daemon.kill()  # no cleanup of any kind
+    assert worker_procs(run_dir), "the workers must outlive the daemon"
+    time.sleep(3)  # the workers go on training while no daemon watches
+    daemon.start()
+    assert daemon.job(name)["state"] in ("RUNNING", "COMPLETED")
+    job = daemon.wait_state(name, "COMPLETED", timeout_s=600)
+    assert job["step"] == 30
+    after = daemon.events(name)
+    seqs = [e["seq"] for e in after]
+    assert seqs == sorted(set(seqs)), "no event lost or duplicated"
+    assert [e["seq"] for e in after[:len(before)]] == [e["seq"] for e in before]
+    assert len([e for e in after if e["kind"] == "launch"]) == 1, "reattached, not relaunched"
+    stepped = {e["step"] for e in after if e["kind"] == "step"}
+    assert set(range(1, 31)) <= stepped, "steps trained while the daemon was down were read back"
+    assert sorted(losses(run_dir)) == list(range(1, 31))
+
+    # the Prometheus endpoint, read by prometheus_client's own parser
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    port = daemon.argv[daemon.argv.index("--metrics-port") + 1]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples.setdefault(s.name, []).append(s)
+
+    def value(name, **labels):
+        return next(s.value for s in samples[name]
+                    if all(s.labels.get(k) == v for k, v in labels.items()))
+
+    assert value("ds3d_job_step", job=name) == 30
+    assert value("ds3d_job_state", job=name, state="COMPLETED") == 1
+    assert value("ds3d_checkpoint_upload_bytes_total", job=name) > 0
+    assert sum(s.value for s in samples["ds3d_rpc_requests_total"]) > 0
