@@ -32,7 +32,7 @@ from .catalog import Catalog
 from .manifest import CheckpointMeta, Layout, Manifest
 from .reshape import check_reshapable, convert_to_universal, needs_reshape
 from .snapshot import SnapshotCheckpointEngine
-from .storage import Storage, join_url, open_storage
+from .storage import Storage, job_store_url, open_storage
 from .upload import UploadEvent, Uploader
 
 log = structlog.get_logger("ds3d.checkpoints")
@@ -42,12 +42,6 @@ Emit = Callable[..., None]
 
 def tag_for(step: int) -> str:
     return f"global_step{step}"
-
-
-def job_store_url(cfg: JobConfig, run_dir: Path) -> str:
-    """The job's own prefix in the durable tier (the embedded default is a folder on this node)."""
-    root = cfg.checkpoint.store or f"file://{Path(run_dir).resolve()}/store"
-    return join_url(root, cfg.name)
 
 
 @dataclass(frozen=True)
@@ -74,7 +68,7 @@ class CheckpointManager:
         self.cfg, self.me, self.device, self.emit = cfg, me, device, emit
         self.local_dir = Path(cfg.checkpoint.local_dir or Path(run_dir) / "ckpt")
         self.local_dir.mkdir(parents=True, exist_ok=True)
-        self.storage: Storage = open_storage(job_store_url(cfg, run_dir))
+        self.storage: Storage = open_storage(job_store_url(cfg.checkpoint.store, cfg.name, run_dir))
         self.catalog = Catalog(self.storage, self.local_dir)
         self.uploader = Uploader(self.storage, self.local_dir, me.rank, me.world_size,
                                  on_event=self._on_upload_event)

@@ -87,3 +87,9 @@ def join_url(base: str, *parts: str) -> str:
     for part in parts:
         out += "/" + part.strip("/")
     return out
+
+
+def job_store_url(store: str | None, job: str, run_dir: str | Path) -> str:
+    """A job's own prefix in the durable tier: `checkpoint.store` + the job name; the embedded
+    default is a folder in the job's run directory on this node."""
+    return join_url(store or f"file://{Path(run_dir).resolve()}/store", job)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -39,7 +40,7 @@ def _write_pid_file(path: Path) -> None:
     os.replace(tmp, path)
 
 
-def run(spec: dict[str, Any]) -> int:
+def run(spec: dict[str, Any]) -> tuple[int, str]:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -65,8 +66,37 @@ def run(spec: dict[str, Any]) -> int:
     except ChildFailedError as e:
         codes = {rank: f.exitcode for rank, f in e.failures.items()}
         print(f"ds3d agent: worker group failed: exit codes by rank {codes}", flush=True)
-        return 1
-    return 0
+        if codes and all(c == EXIT_CONFIG for c in codes.values()):
+            # the workers refused the configuration: passed on, so the daemon does not restart
+            return EXIT_CONFIG, _last_line(Path(spec["log_dir"]), _REFUSAL) or \
+                "worker configuration refused (exit code 2)"
+        error = _last_line(Path(spec["log_dir"]), _EXCEPTION)
+        return 1, f"worker group failed: exit codes by rank {codes}" + \
+            (f"; last worker error: {error}" if error else "")
+    return 0, ""
+
+
+EXIT_CONFIG = 2  # trainer/worker.py: configuration refused
+
+
+_REFUSAL = re.compile(r"^ds3d-worker: (.*)$")
+_EXCEPTION = re.compile(r"^((?:[\w.]+)(?:Error|Exception|Interrupt)\b.*)$")
+
+
+def _last_line(log_dir: Path, pattern: re.Pattern[str]) -> str:
+    """The last line matching `pattern` (its first group) in the newest worker stderr log of
+    this agent that has one: the workers' refusal or exception, for the daemon's message."""
+    best: tuple[float, str] = (0.0, "")
+    for log in log_dir.glob("*/attempt_*/*/stderr.log"):
+        try:
+            found = [m.group(1) for ln in log.read_text(errors="replace").splitlines()
+                     if (m := pattern.match(ln))]
+            mtime = log.stat().st_mtime
+        except OSError:
+            continue
+        if found and mtime >= best[0]:
+            best = (mtime, found[-1][:500])
+    return best[1]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -78,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     _write_pid_file(Path(spec["pid_file"]))
     code, error = 1, ""
     try:
-        code = run(spec)
+        code, error = run(spec)
     except BaseException as e:  # noqa: BLE001 - recorded for the daemon, then re-raised
         error = f"{type(e).__name__}: {e}"
         write_result(result, 1 if not isinstance(e, SystemExit) else int(e.code or 0), error)

@@ -107,6 +107,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("job")
     p.add_argument("--source", default="", help="agent or rank:N (local rank)")
     p.add_argument("--lines", type=int, default=50)
+    p.add_argument("--tensorboard", action="store_true",
+                   help="print where the job's TensorBoard event files are and how to view them")
+    p = sub.add_parser("export", help="consolidated model weights (safetensors + config.json) "
+                       "of a committed checkpoint, from any (TP, PP, DP) layout")
+    p.add_argument("job")
+    p.add_argument("--step", type=int, help="default: the newest committed checkpoint")
+    p.add_argument("--out", required=True, help="output folder, or s3://bucket/prefix")
+    p.add_argument("--store", help="the job's store prefix, when RUN_DIR/job.json cannot be "
+                   "read from here")
     p = sub.add_parser("checkpoints", help="checkpoints of a job")
     p.add_argument("job")
     p.add_argument("--json", action="store_true")
@@ -286,6 +295,13 @@ def run(args: argparse.Namespace, out: Any = sys.stdout) -> int:
                       file=out, flush=True)
             else:
                 print(event_line(e), file=out, flush=True)
+    elif c == "logs" and args.tensorboard:
+        run_dir = client.call("GetJob", pb.JobRef(name=args.job)).job.run_dir
+        path = os.path.join(run_dir, "tensorboard")
+        print(f"{path}\nview: tensorboard --logdir {path} --bind_all  (then open port 6006)",
+              file=out)
+    elif c == "export":
+        _export(client, args, out)
     elif c == "logs":
         resp = client.call("GetLogs", pb.GetLogsRequest(name=args.job, tail_lines=args.lines,
                                                         source=args.source))
@@ -320,6 +336,40 @@ def run(args: argparse.Namespace, out: Any = sys.stdout) -> int:
     return 0
 
 
+def _export(client: Any, args: argparse.Namespace, out: Any) -> None:
+    """Runs the export here (it needs torch, imported only now), reading the job's store from
+    its job.json on this node unless --store is given."""
+    import tempfile
+    from pathlib import Path
+
+    from ds3d.checkpoints.storage import job_store_url, open_storage
+    from ds3d.trainer.config import JobConfig
+    from ds3d.trainer.errors import NotFoundError
+
+    store = args.store
+    if store is None:
+        run_dir = client.call("GetJob", pb.JobRef(name=args.job)).job.run_dir
+        job_json = Path(run_dir) / "job.json"
+        if not job_json.is_file():
+            raise NotFoundError(f"{job_json} is not readable from here; run export on the job's "
+                                "head node, or give --store (the job's store prefix)")
+        cfg = JobConfig.load_json(job_json)
+        store = job_store_url(cfg.checkpoint.store, cfg.name, run_dir)
+    from ds3d.checkpoints.export import export
+
+    if args.out.startswith("s3://"):
+        with tempfile.TemporaryDirectory(prefix="ds3d-export-") as tmp:
+            cfg_out = export(store, tmp, args.step)
+            dest = open_storage(args.out)
+            for name in ("model.safetensors", "config.json"):
+                dest.put_file(Path(tmp) / name, name)
+    else:
+        cfg_out = export(store, args.out, args.step)
+    print(f"{args.job}: exported step {cfg_out['step']} ({cfg_out['parameters']:,} parameters, "
+          f"{cfg_out['dtype']}) to {args.out}; load with "
+          "ds3d.checkpoints.export.load_exported(PATH)", file=out)
+
+
 def main(argv: list[str] | None = None) -> None:
     args: argparse.Namespace | None = None
     try:
@@ -333,14 +383,15 @@ def main(argv: list[str] | None = None) -> None:
         code = EXIT_BAD_INPUT
     except grpc.RpcError as e:
         status = e.code()  # type: ignore[attr-defined]
-        if status == grpc.StatusCode.UNAVAILABLE:
+        answered = ("ds3d-error", "1") in tuple(e.trailing_metadata() or ())  # type: ignore[attr-defined]
+        if status == grpc.StatusCode.UNAVAILABLE and not answered:
             addr = args.addr if args is not None else DEFAULT_ADDR
             print(f"ds3dctl: cannot reach ds3dd at {addr}: {e.details()}; is it running? "  # type: ignore[attr-defined]
                   "(--addr or DS3D_ADDR)", file=sys.stderr)
             code = EXIT_UNREACHABLE
         else:
             print(f"ds3dctl: {status.name}: {e.details()}", file=sys.stderr)  # type: ignore[attr-defined]
-            code = EXIT_BAD_INPUT if status in _USER_CODES else 1
+            code = EXIT_BAD_INPUT if status in _USER_CODES or answered else 1
     except KeyboardInterrupt:
         code = 130
     except BrokenPipeError:

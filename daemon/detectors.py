@@ -10,12 +10,26 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from .reports import Observation
 from .states import JobState
 from .store import Job
+
+EXIT_CONFIG = 2  # trainer/worker.py: configuration refused; the agent passes it on
+
+
+def agent_error(job: Job) -> str:
+    """The error line the agent recorded in its result file for the job's current attempt."""
+    import json
+    from pathlib import Path
+
+    try:
+        path = Path(job.run_dir) / "control" / f"agent-{job.attempt}.exit"
+        return str(json.loads(path.read_text()).get("error", "")) or "(no error recorded)"
+    except (OSError, ValueError, AttributeError):
+        return "(no error recorded)"
 
 
 @dataclass(frozen=True)
@@ -23,6 +37,10 @@ class Fault:
     cause: str      # "hang", "agent_exit", ...
     message: str    # what was seen, for the event log
     restart: bool   # True: the worker group must be restarted from a checkpoint
+    rank: int = -1  # the rank at fault, where one is known
+    step: int | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
+    fatal: bool = False  # True: the job fails now, without a restart
 
 
 class Detector(Protocol):
@@ -76,6 +94,11 @@ class AgentExitDetector:
             return None
         if agent_exit == 0 and job.done_reason:
             return None
+        if agent_exit == EXIT_CONFIG:
+            return Fault("config_refused", "the workers refused the job's configuration (exit "
+                         f"code {EXIT_CONFIG}); restarting would not help: "
+                         f"{agent_error(job)}", restart=False, fatal=True)
         how = "was killed" if agent_exit < 0 else f"exited with code {agent_exit}"
-        return Fault("agent_exit", f"the elastic agent {how} before the workers finished",
+        why = f" ({agent_error(job)})" if agent_exit > 0 else ""
+        return Fault("agent_exit", f"the elastic agent {how} before the workers finished{why}",
                      restart=True)

@@ -32,9 +32,15 @@ def status_code(err: Ds3dError) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, err.grpc_code, grpc.StatusCode.INTERNAL)
 
 
+# Trailing metadata on every refusal: tells a client that ds3dd itself answered (an UNAVAILABLE
+# from an unreachable S3 store is not an unreachable daemon).
+ANSWERED_BY = ("ds3d-error", "1")
+
+
 def _abort(context: grpc.ServicerContext, method: str, exc: BaseException) -> None:
     if isinstance(exc, Ds3dError):
         log.info("rpc refused", method=method, code=exc.grpc_code, error=str(exc))
+        context.set_trailing_metadata((ANSWERED_BY,))
         context.abort(status_code(exc), str(exc))
     ref = uuid.uuid4().hex[:12]
     log.error("rpc failed", method=method, ref=ref, exc_info=exc)

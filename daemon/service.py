@@ -22,6 +22,7 @@ from .jobdir import INJECT_KINDS, JobDir
 from .peers import PeerClient, check_peer_address
 from .states import TERMINAL, JobState, check_action
 from .store import CheckpointRow, Event, Job, Store
+from .preflight import preflight
 from .supervisor import Supervisors
 
 LOG_TAIL_MAX_BYTES = 256 * 1024
@@ -78,6 +79,7 @@ class JobService:
         if cfg.launch.nnodes > 1:
             for address in cfg.launch.hosts[1:]:
                 check_peer_address(address, self.peers.tls if self.peers else None)
+        preflight(cfg)
         jobdir = JobDir(self.jobs_root, cfg.name)
         job = self.store.create_job(cfg.name, cfg.dump_json(), self.node, str(jobdir.path))
         jobdir.create(cfg.dump_json())

@@ -39,6 +39,7 @@ from .peers import REPORT_FILE_RE, PeerClient, PeerError
 from .policies import RestartPolicy
 from .procs import ProcessRef
 from .rendezvous import start_store
+from .stacks import dump_stacks, suspects
 from .reports import Observation, ReportTail
 from .states import TERMINAL, JobState
 from .store import Job, Store
@@ -175,19 +176,51 @@ class JobSupervisor:
             return
 
         for fault in faults:
-            self.store.record(self.name, "fault", fault.message, cause=fault.cause)
+            if fault.cause == "hang":
+                fault = self._with_stacks(job, fault)
+            extra: dict[str, Any] = {"rank": fault.rank}
+            if fault.step is not None:
+                extra["step"] = fault.step
+            if fault.detail:
+                extra["detail"] = fault.detail
+            self.store.record(self.name, "fault", fault.message, cause=fault.cause, **extra)
             self.ctx.metrics.faults.labels(self.name, fault.cause).inc()
             self.log.warning("fault", cause=fault.cause, detail=fault.message, step=job.step)
             if fault.restart:
                 self._restart_or_fail(job, fault)
                 return
+            if fault.fatal:
+                self._kill_agent(now=True)
+                self._to(JobState.FAILED, fault.message, cause=fault.cause, agent_pid=0)
+                return
+
+    def _with_stacks(self, job: Job, fault: Fault) -> Fault:
+        """A hang fault with the Python stacks of this node's ranks (taken before the kill),
+        the suspects (ranks not waiting in a collective) and the step in progress."""
+        try:
+            stacks, method = dump_stacks(self.jobdir.path, job.attempt)
+        except Exception:  # noqa: BLE001 - diagnostics must not stop the recovery
+            self.log.exception("stack capture failed")
+            stacks, method = {}, ""
+        stuck = suspects(stacks)
+        rank = stuck[0] if len(stuck) == 1 else -1
+        step = job.step + 1  # the step the ranks were working on
+        who = (f"rank {rank} is not in a collective" if rank >= 0 else
+               f"suspect ranks {stuck}" if stuck else "every rank waits in a collective")
+        message = (f"{fault.message}; at step {step}: {who}; stacks of ranks {sorted(stacks)} "
+                   f"({method or 'none captured'}) in the event detail")
+        detail = {**fault.detail, "stacks": {str(r): t for r, t in sorted(stacks.items())},
+                  "stack_method": method, "suspects": stuck}
+        return Fault(fault.cause, message, fault.restart, rank=rank, step=step, detail=detail,
+                     fatal=fault.fatal)
 
     def _restart_or_fail(self, job: Job, fault: Fault) -> None:
         policy = RestartPolicy(max_restarts=self._config(job).launch.max_restarts)
         decision = policy.decide(job.restarts, fault.cause)
         self._kill_agent(now=True)
         if not decision.restart:
-            self._to(JobState.FAILED, decision.reason, cause=fault.cause, agent_pid=0)
+            self._to(JobState.FAILED, f"{decision.reason}; last fault: {fault.message}",
+                     cause=fault.cause, agent_pid=0)
             return
         self.ctx.metrics.restarts.labels(self.name, fault.cause).inc()
         self._to(JobState.RECOVERING, decision.reason, cause=fault.cause, agent_pid=0,

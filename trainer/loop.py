@@ -112,7 +112,8 @@ class Trainer:
         from .checkpoint_info import universal_checkpoint_info
 
         return {"iteration": self.step,
-                "ds3d": {"step": self.step, "tokens_seen": self.tokens_seen},
+                "ds3d": {"step": self.step, "tokens_seen": self.tokens_seen,
+                         "model": self.cfg.model.model_dump(mode="json")},
                 "universal_checkpoint_info": universal_checkpoint_info(self.cfg)}
 
     def save(self) -> None:

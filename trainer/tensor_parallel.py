@@ -80,7 +80,10 @@ def reduce_from_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
 
 def seeded_normal(shape: tuple[int, ...], std: float, seed: int, device: torch.device,
                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """A full tensor that depends only on (shape, std, seed, device type), never on the layout."""
+    """A full tensor that depends only on (shape, std, seed, device type), never on the layout.
+    On the meta device (a model whose weights will be loaded) nothing is drawn."""
+    if device.type == "meta":
+        return torch.empty(shape, device=device, dtype=dtype)
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     return torch.randn(shape, generator=gen, device=device, dtype=torch.float32).mul_(std).to(dtype)

@@ -169,3 +169,16 @@ def test_daemon_sigkill_mid_training_job_still_completes_with_full_history(daemo
     assert value("ds3d_job_state", job=name, state="COMPLETED") == 1
     assert value("ds3d_checkpoint_upload_bytes_total", job=name) > 0
     assert sum(s.value for s in samples["ds3d_rpc_requests_total"]) > 0
+
+    # where the TensorBoard files are; the weights of the final checkpoint, exported
+    r = daemon.ctl("logs", name, "--tensorboard")
+    assert r.returncode == 0 and str(run_dir / "tensorboard") in r.stdout
+    assert any((run_dir / "tensorboard").iterdir())
+    out = run_dir.parent / "export"
+    r = daemon.ctl("export", name, "--out", str(out), timeout_s=300)
+    assert r.returncode == 0, r.stderr
+    assert "exported step 30" in r.stdout
+    assert (out / "model.safetensors").stat().st_size > 0
+    assert json.loads((out / "config.json").read_text())["source_layout"]["tp"] == 2
+    r = daemon.ctl("export", name, "--step", "7", "--out", str(out))
+    assert r.returncode == 2 and "no complete, verified checkpoint of step 7" in r.stderr

@@ -1,0 +1,174 @@
+"""Fault drills at the daemon level: the real `ds3dd` (with --enable-fault-injection and a short
+hang timeout) driven by the real `ds3dctl`, the real trainer (DeepSpeed on CPU/gloo, TP 2 x PP 2)
+under the elastic agent. A drilled job must end COMPLETED with the per-step losses of an
+uninterrupted run of the same daemon (steps re-trained from a checkpoint included), or FAILED with
+the cause in its message when restarting cannot help.
+
+Heavy: run serialised, `flock /tmp/ds3d-heavy.lock .venv/bin/pytest tests/drills/test_daemon_drills.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+
+from support import losses, records  # noqa: E402
+from test_daemon_support import DaemonProc, kill_job_processes, pb  # noqa: E402
+
+from fixtures.s3 import free_port  # noqa: E402
+
+pytestmark = [pytest.mark.slow]
+
+LAYOUT = ["--tp", "2", "--pp", "2", "--dp", "1"]
+STEPS = 12
+SETS = ["--set", "checkpoint.interval=2", "--set", "train.warmup_steps=2"]
+AT_STEP = 7
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    sock_dir = Path(tempfile.mkdtemp(prefix="ds3d-", dir="/tmp"))  # unix paths: < 108 bytes
+    d = DaemonProc(tmp_path_factory.mktemp("drills") / "state",
+                   listen=f"unix:{sock_dir}/ds3dd.sock",
+                   args=["--hang-timeout", "10", "--enable-fault-injection",
+                         "--metrics-port", str(free_port())])
+    d.start()
+    yield d
+    d.stop()
+    kill_job_processes(d.state_dir)
+    shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+def logs(d: DaemonProc, name: str) -> str:
+    return d.ctl("logs", name, "--lines", "30").stdout[-6000:]
+
+
+def start(d: DaemonProc, name: str, *extra: str) -> None:
+    r = d.ctl("start", "tiny", "--name", name, *LAYOUT, "--steps", str(STEPS), *SETS, *extra)
+    assert r.returncode == 0, r.stderr
+
+
+def events(d: DaemonProc, name: str) -> list[dict]:
+    """Events with their detail (ds3dctl events --json leaves the detail out)."""
+    channel, stub = d.stub()
+    try:
+        out = []
+        for e in stub.WatchEvents(pb.WatchEventsRequest(name=name, follow=False), timeout=30):
+            out.append({"kind": e.kind, "cause": e.cause, "rank": e.rank, "step": e.step,
+                        "message": e.message, "detail": json.loads(e.detail_json or "{}")})
+        return out
+    finally:
+        channel.close()
+
+
+@pytest.fixture(scope="module")
+def reference(daemon) -> dict[int, float]:
+    """Per-step losses of the uninterrupted run (same daemon, same settings)."""
+    start(daemon, "ref")
+    job = daemon.wait_state("ref", "COMPLETED", "FAILED", timeout_s=500)
+    assert job["state"] == "COMPLETED", logs(daemon, "ref")
+    want = losses(Path(job["run_dir"]))
+    assert sorted(want) == list(range(1, STEPS + 1))
+    return want
+
+
+def inject_when_running(d: DaemonProc, name: str, kind: str, rank: int) -> Path:
+    job = d.wait_for(name, lambda j: j["state"] == "RUNNING" or
+                     j["state"] in ("FAILED", "COMPLETED"), "RUNNING", timeout_s=400)
+    assert job["state"] == "RUNNING", logs(d, name)
+    assert job["step"] < AT_STEP - 1, f"too late to inject at step {AT_STEP}: {job}"
+    r = d.ctl("inject", name, kind, "--rank", str(rank), "--at-step", str(AT_STEP))
+    assert r.returncode == 0, r.stderr
+    return Path(job["run_dir"])
+
+
+def assert_same_losses(run_dir: Path, want: dict[int, float]) -> None:
+    got = losses(run_dir)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):
+        assert got[step] == pytest.approx(want[step], rel=1e-6, abs=0), f"step {step}"
+
+
+@pytest.mark.timeout(900)
+def test_hang_is_detected_with_stacks_killed_and_restarted(daemon, reference):
+    name = "hang"
+    start(daemon, name)
+    run_dir = inject_when_running(daemon, name, "hang", rank=1)
+    job = daemon.wait_state(name, "COMPLETED", "FAILED", timeout_s=600)
+    assert job["state"] == "COMPLETED", logs(daemon, name)
+    assert (run_dir / "control" / "inject-done-1").read_text() == str(AT_STEP)
+
+    evs = events(daemon, name)
+    hangs = [e for e in evs if e["kind"] == "fault" and e["cause"] == "hang"]
+    assert len(hangs) == 1, [e["message"] for e in evs if e["kind"] == "fault"]
+    hang = hangs[0]
+    assert hang["rank"] == 1 and hang["step"] == AT_STEP, hang["message"]
+    stacks = hang["detail"]["stacks"]
+    assert sorted(stacks) == ["0", "1", "2", "3"], hang["message"]
+    assert hang["detail"]["suspects"] == [1]
+    assert "before_step" in stacks["1"] and "faults.py" in stacks["1"], stacks["1"]
+    # the other ranks wait for it in a collective or a pipeline receive
+    assert "before_step" not in stacks["0"]
+    starts = records(run_dir, 0, "start")
+    assert len(starts) == 2 and 0 < starts[-1]["step"] < AT_STEP, starts
+    assert_same_losses(run_dir, reference)
+
+
+@pytest.mark.timeout(900)
+def test_crashed_worker_group_is_restarted_and_matches(daemon, reference):
+    name = "crash"
+    start(daemon, name)
+    run_dir = inject_when_running(daemon, name, "crash", rank=2)
+    job = daemon.wait_state(name, "COMPLETED", "FAILED", timeout_s=600)
+    assert job["state"] == "COMPLETED", logs(daemon, name)
+    assert job["restarts"] == 1
+    assert (run_dir / "control" / "inject-done-1").read_text() == str(AT_STEP)
+    evs = events(daemon, name)
+    rec = [e for e in evs if e["kind"] == "recovery"]
+    assert [e["cause"] for e in rec] == ["worker_exit"], [e["message"] for e in evs]
+    injected = [e for e in evs if e["kind"] == "fault" and e["cause"] == "injected_crash"]
+    assert [(e["rank"], e["step"]) for e in injected] == [(2, AT_STEP)]
+    starts = records(run_dir, 0, "start")
+    assert [s["restart"] for s in starts] == [0, 1] and 0 < starts[-1]["step"] < AT_STEP
+    assert_same_losses(run_dir, reference)
+
+
+@pytest.mark.timeout(600)
+def test_config_refused_by_the_workers_fails_at_once(daemon, tmp_path):
+    """A data file that exists (the daemon's start checks pass) but holds fewer tokens than one
+    sample: every worker refuses it with exit code 2, which no restart can fix."""
+    data = tmp_path / "short.bin"
+    data.write_bytes(bytes(10))  # 5 uint16 tokens
+    start(daemon, "refused", "--set", f"data.source={data}", "--set", "launch.max_restarts=1")
+    job = daemon.wait_state("refused", "FAILED", "COMPLETED", "RUNNING", timeout_s=400)
+    assert job["state"] == "FAILED", logs(daemon, "refused")
+    assert "fewer than one sample" in job["message"] and "refused" in job["message"], job
+    assert job["restarts"] == 0  # the daemon did not relaunch (the agent's own retry is spent)
+    evs = events(daemon, "refused")
+    assert [e["cause"] for e in evs if e["kind"] == "fault"] == ["config_refused"]
+    assert len([e for e in evs if e["kind"] == "launch"]) == 1
+
+
+@pytest.mark.timeout(900)
+def test_crash_loop_ends_failed_after_the_restart_budget(daemon, tmp_path):
+    """A data file with an odd number of bytes for uint16 tokens: numpy raises at every start of
+    every worker (a real crash, exit code 1); after launch.max_restarts relaunches the job is
+    FAILED with the cause and the workers' error in its message."""
+    data = tmp_path / "odd.bin"
+    data.write_bytes(bytes(4097))
+    start(daemon, "loop", "--set", f"data.source={data}", "--set", "launch.max_restarts=1")
+    job = daemon.wait_state("loop", "FAILED", "COMPLETED", timeout_s=800)
+    assert job["state"] == "FAILED", logs(daemon, "loop")
+    msg = job["message"]
+    assert "restart budget spent" in msg and "agent_exit" in msg, msg
+    assert "ValueError" in msg, msg
+    evs = events(daemon, "loop")
+    assert len([e for e in evs if e["kind"] == "launch"]) == 2, [e["message"] for e in evs]
+    assert [e["cause"] for e in evs if e["kind"] == "fault"] == ["agent_exit", "agent_exit"]
