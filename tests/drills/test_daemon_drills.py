@@ -172,3 +172,50 @@ def test_crash_loop_ends_failed_after_the_restart_budget(daemon, tmp_path):
     evs = events(daemon, "loop")
     assert len([e for e in evs if e["kind"] == "launch"]) == 2, [e["message"] for e in evs]
     assert [e["cause"] for e in evs if e["kind"] == "fault"] == ["agent_exit", "agent_exit"]
+
+
+STUCK = r'''
+import faulthandler, signal, sys, time
+faulthandler.register(signal.SIGUSR1, all_threads=True)
+def stuck_here():
+    while True:
+        time.sleep(3600)
+print("ready", flush=True)
+stuck_here()
+'''
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("method", ["py-spy", "faulthandler"])
+def test_stack_capture_of_a_stuck_worker(tmp_path, monkeypatch, method):
+    """dump_stacks finds a job's worker by --run-dir and its RANK, and reads its stack with
+    py-spy or, without py-spy, through SIGUSR1 + faulthandler into the agent's stderr log."""
+    import os
+    import subprocess
+    import time
+
+    from ds3d.daemon import stacks
+
+    if method == "py-spy" and stacks._py_spy() is None:
+        pytest.skip("py-spy is not installed")
+    if method == "faulthandler":
+        monkeypatch.setattr(stacks, "_py_spy", lambda: None)
+    run_dir = tmp_path / "job"
+    log = run_dir / "logs" / "attempt-1" / "job-a1_x" / "attempt_0" / "0" / "stderr.log"
+    log.parent.mkdir(parents=True)
+    script = tmp_path / "stuck.py"
+    script.write_text(STUCK)
+    with open(log, "ab") as err:
+        proc = subprocess.Popen([sys.executable, str(script), "--run-dir", str(run_dir)],
+                                stdout=subprocess.PIPE, stderr=err,
+                                env={**os.environ, "RANK": "5", "LOCAL_RANK": "0"})
+    try:
+        assert proc.stdout.readline().strip() == b"ready"
+        time.sleep(0.2)
+        got, used = stacks.dump_stacks(run_dir, attempt=1)
+        assert used == method and list(got) == [5], got
+        assert "stuck_here" in got[5], got[5]
+        assert stacks.suspects(got) == [5]
+    finally:
+        proc.kill()
+        proc.wait()
