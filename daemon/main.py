@@ -5,8 +5,10 @@
           [--rdzv-host H] [--node-addr A] [--enable-fault-injection]
 
 Listening beyond loopback requires mutual TLS and a bearer token (auth.py). Startup problems
-are one clear line on stderr and exit code 2. SIGTERM/SIGINT stop the daemon; the jobs' agent
-processes keep running and are reattached by the next ds3dd on the same state directory.
+are one clear line on stderr and exit code 2. SIGTERM/SIGINT shut down gracefully: every running job
+this node heads is paused (checkpoint, then its workers stop) and resumed by the next ds3dd on
+the same state directory; `--drain-timeout 0` leaves the workers running instead (the next
+ds3dd reattaches to them, as after a crash or SIGKILL).
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "rank 0 runs here); default: the host's FQDN")
     ap.add_argument("--max-request-bytes", type=int, default=1 << 20,
                     help="largest request accepted (bytes)")
+    ap.add_argument("--drain-timeout", type=float, default=300.0,
+                    help="on SIGTERM, seconds to wait for running jobs to checkpoint and pause "
+                    "(0: leave their workers running, to be reattached by the next ds3dd)")
     ap.add_argument("--hang-timeout", type=float, default=120.0,
                     help="fewest seconds without a worker report before a hang is declared")
     ap.add_argument("--log-level", default="info")
@@ -84,8 +89,14 @@ def main(argv: list[str] | None = None) -> None:
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
+    resumed = daemon.resume_drained()
+    if resumed:
+        get_logger("ds3d.daemon").info("resuming jobs paused at the last shutdown", jobs=resumed)
     print(f"ds3dd: serving on {daemon.address}", flush=True)
     done.wait()
+    if args.drain_timeout > 0:  # graceful: checkpoint, stop the workers, resume at next start
+        paused = daemon.drain(args.drain_timeout)
+        get_logger("ds3d.daemon").info("drained", jobs=paused)
     daemon.close()
 
 

@@ -7,6 +7,8 @@ daemon on the same state directory reattaches to them.
 
 from __future__ import annotations
 
+import time
+
 import fcntl
 import os
 import socket
@@ -18,7 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from ds3d.trainer.errors import ConfigError
+from ds3d.trainer.errors import ConfigError, Ds3dError
 from ds3d.v1 import control_pb2 as pb
 from ds3d.v1 import control_pb2_grpc as pb_grpc
 
@@ -131,6 +133,51 @@ class Daemon:
     def wait(self) -> None:
         if self.server is not None:
             self.server.wait_for_termination()
+
+    def drain(self, timeout_s: float) -> list[str]:
+        """Graceful shutdown: every running job this node heads is paused (checkpoint, then the
+        workers stop) and marked to resume when a daemon starts on this state directory again.
+        Returns the jobs paused."""
+        from .states import JobState
+
+        paused = []
+        for job in self.store.list_jobs():
+            if job.state in (JobState.RUNNING, JobState.STARTING, JobState.RECOVERING) and \
+                    job.desired_state is JobState.RUNNING:
+                try:
+                    self.service.pause(job.name)
+                except Ds3dError as e:
+                    log.warning("drain: cannot pause", job=job.name, error=str(e))
+                    continue
+                self.store.record(job.name, "drain", "paused for daemon shutdown; resumes when "
+                                  "ds3dd starts again")
+                paused.append(job.name)
+        deadline = time.monotonic() + timeout_s
+        while paused and time.monotonic() < deadline:
+            states = {n: self.store.get_job(n).state for n in paused}
+            if all(st is not JobState.RUNNING and st is not JobState.STARTING
+                   and st is not JobState.RECOVERING for st in states.values()):
+                break
+            self.store.wait_for_change(0.5)
+        return paused
+
+    def resume_drained(self) -> list[str]:
+        """Resumes the jobs the previous daemon paused at its shutdown (and nothing else)."""
+        from .states import JobState
+
+        resumed = []
+        for job in self.store.list_jobs():
+            if job.state is not JobState.PAUSED:
+                continue
+            # the daemon's own requests only (rank -1): workers acknowledge commands with
+            # events of kind "command" too, after the drain
+            mine = [e for e in self.store.events(job=job.name, limit=1 << 30,
+                                                 kinds=["drain", "request", "command"])
+                    if e.rank == -1]
+            if mine and mine[-1].kind == "drain":
+                self.service.resume(job.name)
+                resumed.append(job.name)
+        return resumed
 
     def close(self, grace_s: float = 2.0) -> None:
         """Stops serving and supervising; job processes keep running (reattached next start)."""

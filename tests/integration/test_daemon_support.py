@@ -105,8 +105,11 @@ class DaemonProc:
         self.token = token
         self.env = dict(os.environ)
         self.env.update(extra_env or {})
+        args = list(args or [])
+        if "--drain-timeout" not in args:  # teardown leaves jobs to kill_job_processes
+            args += ["--drain-timeout", "0"]
         self.argv = [str(BIN / "ds3dd"), "--state-dir", str(state_dir), "--listen",
-                     listen, "--node-name", node, *(args or [])]
+                     listen, "--node-name", node, *args]
         if token:
             tf = state_dir.parent / f"{state_dir.name}.token"
             tf.write_text(token)

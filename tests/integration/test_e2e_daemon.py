@@ -182,3 +182,34 @@ def test_daemon_sigkill_mid_training_job_still_completes_with_full_history(daemo
     assert json.loads((out / "config.json").read_text())["source_layout"]["tp"] == 2
     r = daemon.ctl("export", name, "--step", "7", "--out", str(out))
     assert r.returncode == 2 and "no complete, verified checkpoint of step 7" in r.stderr
+
+
+def test_sigterm_drains_then_next_daemon_resumes(tmp_path):
+    """Graceful shutdown: SIGTERM pauses the running job (checkpoint, workers stopped) before
+    ds3dd exits; the next ds3dd on the same state directory resumes it to COMPLETED."""
+    sock_dir = Path(tempfile.mkdtemp(prefix="ds3d-", dir="/tmp"))
+    d = DaemonProc(tmp_path / "state", listen=f"unix:{sock_dir}/ds3dd.sock",
+                   args=["--hang-timeout", "300", "--drain-timeout", "120"])
+    name, run_dir = "drained", tmp_path / "state" / "jobs" / "drained"
+    try:
+        d.start()
+        assert d.ctl("start", "tiny", "--name", name, *LAYOUT, "--steps", "40").returncode == 0
+        d.wait_for(name, lambda j: j["state"] == "RUNNING" and j["step"] >= 3, "step 3",
+                   timeout_s=300)
+        d.proc.terminate()  # SIGTERM
+        d.proc.wait(150)
+        assert worker_procs(run_dir) == [], "workers stopped by the drain"
+        paused_at = max(r["step"] for r in records(run_dir, 0, "done"))
+        assert manifest(run_dir, name, paused_at).is_file()
+        d.start()
+        job = d.wait_state(name, "COMPLETED", timeout_s=600)
+        assert job["step"] == 40
+        kinds = [e["kind"] for e in d.events(name)]
+        assert "drain" in kinds
+        starts = [r["step"] for r in records(run_dir, 0, "start")]
+        assert starts == [0, paused_at]
+        assert sorted(losses(run_dir)) == list(range(1, 41))
+    finally:
+        d.stop()
+        kill_job_processes(d.state_dir)
+        shutil.rmtree(sock_dir, ignore_errors=True)
