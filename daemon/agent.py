@@ -66,8 +66,10 @@ def run(spec: dict[str, Any]) -> tuple[int, str]:
     except ChildFailedError as e:
         codes = {rank: f.exitcode for rank, f in e.failures.items()}
         print(f"ds3d agent: worker group failed: exit codes by rank {codes}", flush=True)
-        if codes and all(c == EXIT_CONFIG for c in codes.values()):
-            # the workers refused the configuration: passed on, so the daemon does not restart
+        if any(c == EXIT_CONFIG for c in codes.values()) and \
+                all(c == EXIT_CONFIG or c < 0 for c in codes.values()):
+            # ranks refused the configuration (the others were ended by the agent, < 0): passed
+            # on, so that the daemon does not restart what cannot work
             return EXIT_CONFIG, _last_line(Path(spec["log_dir"]), _REFUSAL) or \
                 "worker configuration refused (exit code 2)"
         error = _last_line(Path(spec["log_dir"]), _EXCEPTION)
@@ -79,8 +81,9 @@ def run(spec: dict[str, Any]) -> tuple[int, str]:
 EXIT_CONFIG = 2  # trainer/worker.py: configuration refused
 
 
-_REFUSAL = re.compile(r"^ds3d-worker: (.*)$")
-_EXCEPTION = re.compile(r"^((?:[\w.]+)(?:Error|Exception|Interrupt)\b.*)$")
+# torch prefixes a worker's traceback lines with "[rankN]: "
+_REFUSAL = re.compile(r"^(?:\[rank\d+\]:\s*)?ds3d-worker: (.*)$")
+_EXCEPTION = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[\w.]+)(?:Error|Exception|Interrupt)\b.*)$")
 
 
 def _last_line(log_dir: Path, pattern: re.Pattern[str]) -> str:
