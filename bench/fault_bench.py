@@ -9,7 +9,8 @@ injected at step 12 on rank 1 through control/inject.json (what `ds3dctl inject`
   crash  the rank exits with code 13; the agent restarts the group, which resumes from step 10
   hang   the rank stops forever; the gloo collective timeout (DS3D_COLLECTIVE_TIMEOUT_S, here
          20 s) turns the stuck collective into an error, the agent restarts the group
-  slow   the rank sleeps 0.5 s per step from step 12 on (a straggler; nothing to recover)
+  slow   the rank's forward takes 0.1 s longer per micro-batch from step 12 on (a straggler;
+         nothing to recover)
 
 Reported per kind: time to detect (fault injected -> fault noticed), time to recover (noticed ->
 first step after the recovery), steps lost (re-trained steps), and goodput = useful steps per

@@ -74,6 +74,9 @@ class CheckpointManager:
                                  on_event=self._on_upload_event)
         self.snapshot = SnapshotCheckpointEngine(on_durable=self._on_durable)
         self._meta: dict[str, tuple[int, CheckpointMeta]] = {}
+        # pipeline stage boundaries this run builds; a checkpoint saved with others (its
+        # data_position "partition") has per-stage optimizer shards that do not fit: universal
+        self.partition: list[int] | None = None
         self.uploader.resume_pending()
 
     # -- restore ------------------------------------------------------------------------------
@@ -108,16 +111,21 @@ class CheckpointManager:
                 "same [model] settings, or start a new job name / store")
         saved = manifest.layout
         me = self.me
-        universal = needs_reshape(saved, me.tp, me.pp, me.dp)
+        saved_parts = manifest.data_position.get("partition")
+        moved = self.partition is not None and saved_parts is not None and \
+            list(saved_parts) != list(self.partition)
+        universal = needs_reshape(saved, me.tp, me.pp, me.dp) or moved
         tag = manifest.tag
         if universal:
             check_reshapable(saved, me.tp, me.pp, me.dp, self.cfg.parallel.zero_stage)
             if me.local_rank == 0:
                 t0 = time.perf_counter()
                 tag = convert_to_universal(self.local_dir, manifest.tag)
+                moved_detail = f", stages {saved_parts} -> {self.partition}" if moved else ""
                 self.emit("checkpoint", step=step, phase="reshaped",
                           detail=f"(tp,pp,dp) {saved.tp},{saved.pp},{saved.dp} -> "
-                                 f"{me.tp},{me.pp},{me.dp}", seconds=round(time.perf_counter() - t0, 3))
+                                 f"{me.tp},{me.pp},{me.dp}{moved_detail}",
+                          seconds=round(time.perf_counter() - t0, 3))
             else:
                 tag = manifest.tag + "_universal"
             dist.barrier()

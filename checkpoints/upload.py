@@ -17,7 +17,11 @@ uploads, the queue grows; `pending()` tells the trainer so it can save less ofte
 A failed upload (after storage retries) leaves the local checkpoint in place, marks it
 `failed` in the local marker (`L/.ds3d/step-N/rank-R.json`, which also keeps the file list and
 metadata so a restarted process can resume it: `resume_pending`), emits an event, and is retried
-by the Uploader when its queue is idle and `retry_interval` has passed.
+by the Uploader when its queue is idle and `retry_interval` has passed. A retry does not start
+the large files over: on a store that resumes multipart uploads (S3), the UploadIds of a rank's
+unfinished uploads are journaled beside its marker (`L/.ds3d/step-N/multipart-rank-R.json`), and
+the retry, in this process or the next, sends only the parts the store does not have yet. When
+a checkpoint is abandoned (its local files are gone), its journaled uploads are aborted.
 
 Run as a process: `python -m ds3d.checkpoints.upload --store URL --step N --rank R
 --world-size W --dir LOCAL [--commit]`.
@@ -33,14 +37,16 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import structlog
 from pydantic import ValidationError
 
 from ds3d.trainer.errors import CheckpointError, Ds3dError, NotFoundError
+from ds3d.trainer.logs import configure_logging
 
 from . import layout
 from .manifest import (
@@ -83,6 +89,27 @@ def read_marker(path: str | Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+@runtime_checkable
+class ResumableUploads(Protocol):
+    """A store whose large uploads continue where they stopped (S3Storage), given a journal."""
+
+    def upload_journal(self, path: str | Path) -> AbstractContextManager[Any]: ...
+
+    def abort_journaled_uploads(self, path: str | Path, cause: str) -> int: ...
+
+
+def multipart_journal_path(local_dir: str | Path, step: int, rank: int) -> Path:
+    """Where rank `rank` journals the UploadIds of its unfinished uploads of `step`."""
+    return layout.local_state_dir(local_dir, step) / f"multipart-rank-{rank:05d}.json"
+
+
+def _journal(storage: Storage, local_dir: str | Path, step: int,
+             rank: int) -> AbstractContextManager[Any]:
+    if isinstance(storage, ResumableUploads):
+        return storage.upload_journal(multipart_journal_path(local_dir, step, rank))
+    return nullcontext()
+
+
 # -- one rank's upload, one commit -----------------------------------------------------------
 
 
@@ -109,8 +136,9 @@ def upload_rank_files(storage: Storage, step: int, rank: int, local_ckpt_dir: st
         raise CheckpointError(f"step {step} is already committed in {storage.url} with other "
                               "files; delete it before saving that step again")
     t0 = time.monotonic()
-    for entry in entries:
-        storage.put_file(Path(local_ckpt_dir) / entry.path, layout.file_key(step, entry.path))
+    with _journal(storage, local_ckpt_dir, step, rank):
+        for entry in entries:
+            storage.put_file(Path(local_ckpt_dir) / entry.path, layout.file_key(step, entry.path))
     storage.put_bytes(layout.part_key(step, rank), part.model_dump_json().encode())
     log.info("rank_uploaded", step=step, rank=rank, files=len(entries),
              bytes=sum(e.size for e in entries), seconds=round(time.monotonic() - t0, 3))
@@ -345,6 +373,7 @@ class Uploader:
             with self._lock:
                 self._known.discard(job.step)
             log.error("checkpoint_upload_abandoned", step=job.step, rank=self.rank, detail=str(e))
+            self._abort_journaled(job.step)
             self._emit("failed", job, t0, f"local files unreadable: {e}")
         except Exception as e:
             # A bug, not a storage problem: logged with its traceback, retried like a failure so
@@ -360,6 +389,17 @@ class Uploader:
             with self._idle:
                 self._busy -= 1
                 self._idle.notify_all()
+
+    def _abort_journaled(self, step: int) -> None:
+        """An abandoned checkpoint's unfinished multipart uploads would cost storage forever."""
+        if not isinstance(self.storage, ResumableUploads):
+            return
+        try:
+            self.storage.abort_journaled_uploads(
+                multipart_journal_path(self.local_dir, step, self.rank),
+                cause=f"checkpoint step {step} abandoned: its local files are gone")
+        except Ds3dError as e:
+            log.warning("multipart_abort_failed", step=step, rank=self.rank, detail=str(e))
 
     def _emit(self, kind: Literal["uploaded", "committed", "failed"], job: _Job, t0: float,
               detail: str = "") -> None:
@@ -391,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, help="S3 parallel parts")
     p.add_argument("--max-bandwidth-mib", type=float, help="S3 bandwidth limit, MiB/s")
     a = p.parse_args(argv)
+    configure_logging()
 
     tag = a.tag or layout.default_tag(a.step)
     files = a.files if a.files else list_checkpoint_files(a.dir, tag)

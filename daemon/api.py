@@ -20,12 +20,13 @@ import grpc
 
 from ds3d.trainer.config import JOB_NAME_RE, JobConfig
 from ds3d.trainer.errors import ConfigError, Ds3dError
+from ds3d.trainer.partition import Prediction, current_partition
 from ds3d.v1 import control_pb2 as pb
 from ds3d.v1 import control_pb2_grpc as pb_grpc
 
 from .logging import get_logger
 from .peers import PeerClient, Shares
-from .service import JobService
+from .service import JobService, Rebalance
 from .store import Event, Job
 
 VERSION = "0.1.0"
@@ -47,6 +48,7 @@ def job_to_proto(job: Job) -> pb.JobStatus:
     cfg = JobConfig.model_validate_json(job.config_json)
     total = cfg.train.steps
     eta = (total - job.step) * job.step_time_s if job.step_time_s > 0 else -1.0
+    partition = current_partition(cfg, job.run_dir or None)
     spec = pb.JobSpec(
         name=job.name, preset=cfg.preset or "", tp=cfg.parallel.tp, pp=cfg.parallel.pp,
         dp=cfg.parallel.dp, zero_stage=cfg.parallel.zero_stage, nnodes=cfg.launch.nnodes,
@@ -59,7 +61,27 @@ def job_to_proto(job: Job) -> pb.JobStatus:
         eta_s=eta if job.state.live else 0.0, restarts=job.restarts,
         last_checkpoint_step=job.last_ckpt_step, created_at=job.created_at,
         updated_at=job.updated_at, message=job.message, node=job.node, run_dir=job.run_dir,
-        world_size=job.world_size)
+        world_size=job.world_size, stage_boundaries=partition.boundaries,
+        partition_source=partition.source)
+
+
+def plan_to_proto(pred: Prediction) -> pb.PartitionPlan:
+    return pb.PartitionPlan(boundaries=pred.boundaries, stage_s=pred.stage_s,
+                            slowest_s=pred.slowest_s, step_s=pred.step_s, bubble=pred.bubble,
+                            stage_memory_bytes=pred.stage_memory_bytes)
+
+
+def rebalance_to_proto(r: Rebalance) -> pb.RebalanceResponse:
+    prop = r.proposal
+    return pb.RebalanceResponse(
+        current=plan_to_proto(prop.current), proposed=plan_to_proto(prop.proposed),
+        improvement=prop.improvement, threshold=prop.threshold,
+        micro_batches=prop.micro_batches, profile_step=r.profile_step,
+        layers=[pb.LayerCost(layer=c.layer, forward_s=c.forward_s, backward_s=c.backward_s,
+                             params=c.params, activation_bytes=c.activation_bytes)
+                for c in r.layers],
+        action=r.action, message=r.message, command_id=r.command_id,
+        memory_limit_bytes=r.memory_limit_bytes or 0.0)
 
 
 def event_to_proto(ev: Event) -> pb.Event:
@@ -189,6 +211,12 @@ class ControlServicer(pb_grpc.ControlServicer):
         inj = self.service.inject(_name(request.name), request.kind, request.rank,
                                   request.at_step)
         return pb.InjectFaultResponse(id=inj.id, at_step=inj.at_step, path=str(inj.path))
+
+    def Rebalance(self, request: pb.RebalanceRequest,
+                  context: grpc.ServicerContext) -> pb.RebalanceResponse:
+        if (fwd := self._forwarded("Rebalance", request)) is not None:
+            return fwd
+        return rebalance_to_proto(self.service.rebalance(_name(request.name), request.dry_run))
 
     # ---- node to node ----
 

@@ -7,6 +7,7 @@
     ds3dctl checkpoints JOB | save JOB | rollback JOB STEP
     ds3dctl start tiny --nodes 2 --dp 2 --hosts HEAD_ADDR,NODE2_ADDR --store URL   (multi-node)
     ds3dctl inject JOB nan|hang|crash|slow --rank R [--at-step S]  (ds3dd --enable-fault-injection)
+    ds3dctl rebalance JOB [--dry-run] [--json]   pipeline partition from measured layer costs
 
 The daemon address comes from --addr or DS3D_ADDR (default 127.0.0.1:7531); the token from
 --token-file or DS3D_TOKEN. The job configuration is validated here first (same schema as the
@@ -123,6 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("rollback", help="restart from the checkpoint of STEP")
     p.add_argument("job")
     p.add_argument("step", type=int)
+    p = sub.add_parser("rebalance", help="measured per-stage times and predicted bubble/step "
+                       "time of the current and the best pipeline partition; applies the best "
+                       "one (checkpoint, restart) unless --dry-run")
+    p.add_argument("job")
+    p.add_argument("--dry-run", action="store_true", help="only show; change nothing")
+    p.add_argument("--json", action="store_true")
     p = sub.add_parser("inject", help="drills: make one rank misbehave (needs ds3dd "
                        "--enable-fault-injection)")
     p.add_argument("job")
@@ -216,6 +223,7 @@ def job_dict(j: pb.JobStatus) -> dict[str, Any]:
         "layout": {"tp": j.spec.tp, "pp": j.spec.pp, "dp": j.spec.dp,
                    "zero_stage": j.spec.zero_stage, "nnodes": j.spec.nnodes},
         "world_size": j.world_size, "message": j.message, "node": j.node, "run_dir": j.run_dir,
+        "partition": {"boundaries": list(j.stage_boundaries), "source": j.partition_source},
         "created_at": j.created_at, "updated_at": j.updated_at,
     }
 
@@ -229,7 +237,9 @@ def job_table(jobs: Sequence[pb.JobStatus]) -> str:
             state += f"->{_state(j.desired_state)}"
         rows.append((j.spec.name, state, f"{j.step}/{j.spec.total_steps}", _loss(j.loss),
                      f"{j.tokens_per_s:,.0f}" if j.tokens_per_s else "-", _duration(j.eta_s),
-                     str(j.restarts), f"tp{j.spec.tp} pp{j.spec.pp} dp{j.spec.dp}",
+                     str(j.restarts), f"tp{j.spec.tp} pp{j.spec.pp} dp{j.spec.dp}" + (
+                         f" {'|'.join(map(str, j.stage_boundaries))}" if j.spec.pp > 1 and
+                         j.stage_boundaries else ""),
                      j.message[:60]))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
@@ -333,7 +343,46 @@ def run(args: argparse.Namespace, out: Any = sys.stdout) -> int:
     elif c == "rollback":
         job = client.call("Rollback", pb.RollbackRequest(name=args.job, step=args.step)).job
         print(f"{job.spec.name}: rolling back to step {args.step}", file=out)
+    elif c == "rebalance":
+        resp = client.call("Rebalance", pb.RebalanceRequest(name=args.job, dry_run=args.dry_run))
+        print(json.dumps(rebalance_dict(resp), indent=2) if args.json else
+              rebalance_text(args.job, resp), file=out)
     return 0
+
+
+def _plan_dict(p: pb.PartitionPlan) -> dict[str, Any]:
+    return {"boundaries": list(p.boundaries), "stage_s": list(p.stage_s),
+            "slowest_s": p.slowest_s, "step_s": p.step_s, "bubble": p.bubble,
+            "stage_memory_bytes": list(p.stage_memory_bytes)}
+
+
+def rebalance_dict(r: pb.RebalanceResponse) -> dict[str, Any]:
+    return {"action": r.action, "message": r.message, "command_id": r.command_id,
+            "current": _plan_dict(r.current), "proposed": _plan_dict(r.proposed),
+            "improvement": r.improvement, "threshold": r.threshold,
+            "micro_batches": r.micro_batches, "profile_step": r.profile_step,
+            "memory_limit_bytes": r.memory_limit_bytes or None,
+            "layers": [{"layer": c.layer, "forward_s": c.forward_s, "backward_s": c.backward_s,
+                        "params": c.params, "activation_bytes": c.activation_bytes}
+                       for c in r.layers]}
+
+
+def rebalance_text(job: str, r: pb.RebalanceResponse) -> str:
+    """The two partitions side by side: measured per-stage times (ms per micro-batch) and the
+    predicted step time and bubble of a 1F1B step."""
+    p = len(r.current.boundaries) - 1
+    head = ("PARTITION", "BOUNDARIES", "STAGE MS/MICRO-BATCH", "SLOWEST MS", "STEP MS (PRED.)",
+            "BUBBLE (PRED.)")
+    rows = [head]
+    for label, plan in (("current", r.current), ("proposed", r.proposed)):
+        rows.append((label, "|".join(map(str, plan.boundaries)),
+                     " ".join(f"{s * 1e3:.1f}" for s in plan.stage_s), f"{plan.slowest_s * 1e3:.1f}",
+                     f"{plan.step_s * 1e3:.0f}", f"{plan.bubble:.1%}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    table = "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
+    return (f"{job}: {p} pipeline stages, {r.micro_batches} micro-batches per step; layer costs "
+            f"profiled at step {r.profile_step}\n{table}\n"
+            f"slowest stage {-r.improvement:+.1%} (threshold {r.threshold:.0%})\n{r.message}")
 
 
 def _export(client: Any, args: argparse.Namespace, out: Any) -> None:

@@ -41,6 +41,7 @@ class Fault:
     step: int | None = None
     detail: dict[str, Any] = field(default_factory=dict)
     fatal: bool = False  # True: the job fails now, without a restart
+    kind: str = "fault"  # the event kind: "fault", or "diagnosis" for advice that changes nothing
 
 
 class Detector(Protocol):

@@ -6,8 +6,11 @@
         ckpt/                    local checkpoint tier (written by the workers)
         logs/                    agent.log, rendezvous.log, attempt-N/... worker stdout/stderr
         control/command.json     daemon -> workers, written as tmp + rename:
-                                 {"id": n (increasing), "action": "save"|"pause"|"stop"|"stop_now",
-                                  "time": unix s, ...}
+                                 {"id": n (increasing), "action": "save"|"pause"|"stop"|"stop_now"
+                                  |"profile"|"repartition", "time": unix s, ...}; repartition
+                                  carries "boundaries" (ds3dctl rebalance)
+        partition.json           the decided pipeline stage boundaries (trainer/partition.py),
+                                 written by the workers, read at every start
         control/restore.json     daemon -> workers before a rollback: {"step": n, "id": n}
         control/inject.json      daemon -> workers, drills only (ds3dd --enable-fault-injection):
                                  {"id": n, "kind": "nan"|"hang"|"crash"|"slow", "rank": r,
@@ -31,7 +34,7 @@ from typing import Any
 from ds3d.trainer.config import JOB_NAME_RE
 from ds3d.trainer.errors import ConfigError
 
-ACTIONS = ("save", "pause", "stop", "stop_now")
+ACTIONS = ("save", "pause", "stop", "stop_now", "profile", "repartition")
 # Control files the head copies to the other nodes of a multi-node job: rank 0 (which reads
 # commands) and the rank named by an injection may run on any node.
 CONTROL_FILES = ("command.json", "restore.json", "inject.json")

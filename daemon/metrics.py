@@ -1,7 +1,9 @@
 """Prometheus metrics of one daemon (served on --metrics-port).
 
 Names follow Prometheus conventions (`_total` counters, base units: seconds, bytes). Labels are
-bounded: job names and a fixed set of causes/states, never ranks or steps.
+bounded: job names, pipeline stages and a fixed set of causes/states/parts, never steps. One
+exception: `ds3d_rank_step_seconds` has a `rank` label, because naming the slow rank is its
+purpose (a straggler hides in any aggregate); it is one series per rank of the job.
 """
 
 from __future__ import annotations
@@ -34,6 +36,30 @@ class Metrics:
         self.upload_bytes = Counter("ds3d_checkpoint_upload_bytes_total",
                                     "checkpoint bytes uploaded to the durable tier", ["job"],
                                     registry=r)
+        self.last_commit = Gauge(
+            "ds3d_checkpoint_last_commit_timestamp_seconds",
+            "unix time of the newest committed checkpoint", ["job"], registry=r)
+        self.goodput = Gauge(
+            "ds3d_job_goodput_ratio",
+            "useful training time / wall time since the job started (re-trained steps, restarts "
+            "and blocked saves are not useful)", ["job"], registry=r)
+        self.rank_step_seconds = Gauge(
+            "ds3d_rank_step_seconds", "seconds per step of each rank (straggler signal)",
+            ["job", "rank"], registry=r)
+        self.step_split = Gauge(
+            "ds3d_step_time_split_seconds",
+            "where a step's time goes, per pipeline stage (slowest rank of the stage)",
+            ["job", "stage", "part"], registry=r)
+        self.bubble = Gauge(
+            "ds3d_pipeline_bubble_ratio",
+            "pipeline bubble fraction of the step: measured, and theoretical (p-1)/(m+p-1)",
+            ["job", "kind"], registry=r)
+        self.reduce_to_forward = Gauge(
+            "ds3d_dp_reduce_to_forward_ratio",
+            "data-parallel gradient reduction time / forward time", ["job"], registry=r)
+        self.mfu = Gauge("ds3d_job_mfu_ratio",
+                         "model FLOPs utilisation against the job's configured peak", ["job"],
+                         registry=r)
         self.rpcs = Counter("ds3d_rpc_requests_total", "RPCs answered by method", ["method"],
                             registry=r)
 

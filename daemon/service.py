@@ -17,6 +17,8 @@ from pydantic import ValidationError
 
 from ds3d.trainer.config import JobConfig, explain, validate_job
 from ds3d.trainer.errors import ConfigError, NotFoundError, StateError
+from ds3d.trainer.partition import (LayerCost, Proposal, current_partition, fmt_boundaries,
+                                    memory_model, merge_profile_records, propose)
 
 from .jobdir import INJECT_KINDS, JobDir
 from .peers import PeerClient, check_peer_address
@@ -33,6 +35,19 @@ class Injection:
     id: int
     at_step: int
     path: Path
+
+
+@dataclass(frozen=True)
+class Rebalance:
+    """The current and the measured-best pipeline partition of a job (see partition.py)."""
+
+    proposal: Proposal
+    layers: list[LayerCost]
+    profile_step: int
+    action: str  # "dry_run", "scheduled", "unchanged"
+    message: str
+    command_id: int = 0
+    memory_limit_bytes: float | None = None
 
 
 @dataclass(frozen=True)
@@ -163,6 +178,74 @@ class JobService:
                           detail={"id": inject_id, "kind": kind, "rank": rank, "at_step": step})
         self.supervisors.forward_control(name, "inject.json", text)
         return Injection(inject_id, step, jobdir.inject_file)
+
+    def rebalance(self, name: str, dry_run: bool) -> Rebalance:
+        """Measured costs (the workers' `profile` records, from every node) -> the best
+        partition beside the current one; without `dry_run` the workers apply it at the next
+        step boundary (checkpoint, partition.json, restart). Without a profile, a RUNNING job is
+        asked to profile its next steps and the caller is told to ask again."""
+        job = self.store.get_job(name)
+        cfg = JobConfig.model_validate_json(job.config_json)
+        p = cfg.parallel
+        if p.pp < 2 or p.zero_stage >= 2:
+            raise StateError(f"job {name!r} has one pipeline stage (parallel.pp={p.pp}); there is "
+                             "nothing to re-partition")
+        records = []
+        after = 0
+        while batch := self.store.events(job=name, after_seq=after, kinds=["profile"], limit=500):
+            records += [ev.detail for ev in batch]
+            after = batch[-1].seq
+        merged = merge_profile_records(records, cfg.model.n_layers)
+        if merged is None:
+            raise StateError(self._request_profile(job, cfg))
+        current = current_partition(cfg, job.run_dir)
+        memory = memory_model(merged)
+        proposal = propose(merged["layers"], current.boundaries, merged["micro_batches"],
+                           p.partition_threshold, memory)
+        cur, new = proposal.current, proposal.proposed
+        gain = f"{proposal.improvement:.1%}"
+        action, cid = "dry_run", 0
+        if not proposal.worth_it:
+            message = (f"the current partition {fmt_boundaries(cur.boundaries)} is within "
+                       f"{p.partition_threshold:.0%} of the best measured one "
+                       f"({fmt_boundaries(new.boundaries)}, {gain} faster slowest stage): "
+                       "nothing to change")
+            if not dry_run:
+                action = "unchanged"
+        elif dry_run:
+            message = (f"dry run: {fmt_boundaries(new.boundaries)} would lower the slowest stage "
+                       f"by {gain}; `ds3dctl rebalance {name}` applies it")
+        else:
+            if job.state is not JobState.RUNNING:
+                raise StateError(f"cannot rebalance job {name!r}: it is {job.state.name}; a new "
+                                 "partition is applied by running workers at a step boundary "
+                                 "(resume the job first), or look with --dry-run")
+            self._require_desired_running(job, "rebalance")
+            job = self._command(job, "repartition:" + ",".join(map(str, new.boundaries)),
+                                JobState.RUNNING, f"rebalance requested: stages "
+                                f"{fmt_boundaries(cur.boundaries)} -> "
+                                f"{fmt_boundaries(new.boundaries)} ({gain} faster slowest stage)")
+            action, cid = "scheduled", job.command_id
+            message = (f"scheduled (command {cid}): at the next step boundary the workers save a "
+                       f"checkpoint and restart on {fmt_boundaries(new.boundaries)}")
+        return Rebalance(proposal, merged["layers"], merged["step"], action, message, cid,
+                         merged.get("memory_limit_bytes"))
+
+    def _request_profile(self, job: Job, cfg: JobConfig) -> str:
+        """Why there is no answer yet, after asking a running job's workers for a profile."""
+        name, steps = job.name, cfg.parallel.partition_profile_steps
+        if job.state is JobState.RUNNING and job.desired_state is JobState.RUNNING:
+            pending = job.command_action == "profile" and job.command_acked < job.command_id
+            if not pending:
+                job = self._command(job, "profile", JobState.RUNNING,
+                                    "layer profile requested (ds3dctl rebalance)")
+            return (f"job {name!r} has no layer profile yet; its workers now time every layer "
+                    f"over the next {steps} steps (command {job.command_id}): run `ds3dctl "
+                    f"rebalance {name} --dry-run` again once `ds3dctl events {name} --kind "
+                    "profile` lists them")
+        return (f"job {name!r} has no layer profile and is {job.state.name}: layers are profiled "
+                "by running workers; resume or restart it (with parallel.partition_method = "
+                "\"measured\" it profiles by itself) and run rebalance again")
 
     # ---- queries -----------------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ policy are objects passed in, so a new fault needs a new detector, not a change 
 from __future__ import annotations
 
 import re
+import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from .policies import RestartPolicy
 from .procs import ProcessRef
 from .rendezvous import start_store
 from .stacks import dump_stacks, suspects
+from .step_analysis import StepAnalysis
 from .reports import Observation, ReportTail
 from .states import TERMINAL, JobState
 from .store import Job, Store
@@ -73,8 +75,10 @@ class JobSupervisor:
         self.jobdir = JobDir(ctx.jobs_root, name)
         local = self._config(self.store.get_job(name)).checkpoint.local_dir
         self.tail = ReportTail(ctx.store, self.jobdir, Path(local) if local else None)
+        self.analysis = StepAnalysis()
         self.detectors: list[Detector] = ctx.detectors or [
-            HangDetector(min_timeout_s=ctx.hang_min_timeout_s), AgentExitDetector()]
+            HangDetector(min_timeout_s=ctx.hang_min_timeout_s), AgentExitDetector(),
+            self.analysis]
         self.log = get_logger("ds3d.supervisor", job=name)
         self.wake = threading.Event()
         self.agent: AgentHandle | None = None
@@ -83,6 +87,8 @@ class JobSupervisor:
         self._peer_backoff: dict[str, float] = {}      # node address -> monotonic retry time
         self._peer_wait_since: float | None = None
         job = self.store.get_job(name)
+        self._goodput = Goodput()
+        self._world = job.world_size  # processes of the running group; 0 before the first start
         if job.agent_pid:
             self.agent = Launcher.attach(self.jobdir.path, job.attempt, job.agent_pid,
                                          job.agent_started)
@@ -169,6 +175,14 @@ class JobSupervisor:
         elif agent_exit == 0 and job.done_reason:
             if self._peers_busy(job):
                 return
+            if job.done_reason == "repartition":
+                # the workers checkpointed and wrote partition.json (measured split or ds3dctl
+                # rebalance): a planned restart, not counted against the restart budget
+                self._to(JobState.RECOVERING, f"restarting the workers on a new pipeline "
+                         f"partition from the checkpoint of step {job.step} (planned, not a "
+                         f"fault)", cause="repartition", agent_pid=0, agent_started=0,
+                         done_reason="", next_launch_at=0)
+                return
             end = {"completed": JobState.COMPLETED, "paused": JobState.PAUSED,
                    "stopped": JobState.STOPPED}.get(job.done_reason, JobState.FAILED)
             self._to(end, f"workers exited after `done` ({job.done_reason}) at step {job.step}",
@@ -183,9 +197,9 @@ class JobSupervisor:
                 extra["step"] = fault.step
             if fault.detail:
                 extra["detail"] = fault.detail
-            self.store.record(self.name, "fault", fault.message, cause=fault.cause, **extra)
+            self.store.record(self.name, fault.kind, fault.message, cause=fault.cause, **extra)
             self.ctx.metrics.faults.labels(self.name, fault.cause).inc()
-            self.log.warning("fault", cause=fault.cause, detail=fault.message, step=job.step)
+            self.log.warning(fault.kind, cause=fault.cause, detail=fault.message, step=job.step)
             if fault.restart:
                 self._restart_or_fail(job, fault)
                 return
@@ -289,10 +303,26 @@ class JobSupervisor:
             return
         req = pb.StartShareRequest(config_json=cfg.dump_json(), head_node=self.ctx.node,
                                    rdzv_endpoint=endpoint, run_id=run_id, attempt=attempt)
+        missing: list[str] = []
         for address in cfg.launch.hosts[1:]:
-            resp = self.ctx.peers.start_share(address, req)
+            try:
+                resp = self.ctx.peers.start_share(address, req)
+            except PeerError:
+                # an elastic job starts without nodes it can spare (they join when back)
+                if not cfg.elastic or cfg.launch.nnodes - len(missing) - 1 < \
+                        (cfg.launch.min_nodes or cfg.launch.nnodes):
+                    raise
+                missing.append(address)
+                self._peer_backoff[address] = time.monotonic() + 5.0
+                continue
             self.store.record(self.name, "share", f"node {resp.node} started its share "
                               f"(agent pid {resp.agent_pid})")
+        if missing:
+            self.store.record(self.name, "fault", f"node(s) {', '.join(missing)} unreachable; "
+                              f"the elastic job starts on the other "
+                              f"{cfg.launch.nnodes - len(missing)} (min_nodes "
+                              f"{cfg.launch.min_nodes})", cause="node_lost")
+            self.ctx.metrics.faults.labels(self.name, "node_lost").inc()
 
     def _deliver_command(self, job: Job) -> None:
         """(Re)writes the pending command unless the workers already have it; escalates a
@@ -301,8 +331,11 @@ class JobSupervisor:
             return
         current = self.jobdir.command()
         if current is None or int(current.get("id", 0)) < job.command_id:
-            extra = {"fast": True} if job.command_action == "pause_fast" else {}
+            extra: dict[str, Any] = {"fast": True} if job.command_action == "pause_fast" else {}
             action = "pause" if job.command_action == "pause_fast" else job.command_action
+            if action.startswith("repartition:"):  # ds3dctl rebalance: "repartition:0,6,10"
+                action, bounds = action.split(":", 1)
+                extra = {"boundaries": [int(b) for b in bounds.split(",")]}
             self.jobdir.write_command(job.command_id, action, **extra)
             self.forward_control("command.json", self.jobdir.command_file.read_text())
             self.log.info("command written", id=job.command_id, action=action)
@@ -418,13 +451,45 @@ class JobSupervisor:
     def _count_group_restarts(self, job: Job, obs: Observation) -> None:
         """The agent's own group restarts (a rank-0 `start` with restart > 0) count against the
         job's restart budget like the daemon's relaunches."""
-        new = {(job.attempt, int(r.get("restart", 0))) for r in obs.kinds("start")
-               if r.get("rank") == 0 and int(r.get("restart", 0)) > 0}
+        starts = [r for r in obs.kinds("start") if r.get("rank") == 0]
+        cause = self._note_world_change(job, starts)
+        new = {(job.attempt, int(r.get("restart", 0))) for r in starts
+               if int(r.get("restart", 0)) > 0}
         new -= self._seen_group_restarts
         if new:
             self._seen_group_restarts |= new
             self.store.update(self.name, restarts=job.restarts + len(new))
-            self.ctx.metrics.restarts.labels(self.name, "worker_exit").inc(len(new))
+            self.ctx.metrics.restarts.labels(self.name, cause).inc(len(new))
+
+    def _note_world_change(self, job: Job, starts: list[dict[str, Any]]) -> str:
+        """An elastic job's group came back with fewer (node lost) or more (node back)
+        processes: one event saying what changed, and the cause its restart is counted under."""
+        cause = "worker_exit"
+        for rec in starts:
+            world = int(rec.get("world_size", 0))
+            old, self._world = self._world, world
+            if not old or world == old:
+                continue
+            cfg = self._config(job)
+            dp_old, dp_new = old // (cfg.parallel.tp * cfg.parallel.pp), int(rec.get("dp", 0))
+            gone = sorted(a for a, t in self._peer_backoff.items() if t > time.monotonic())
+            if world < old:
+                cause = "node_lost"
+                message = (f"node lost{': ' + ', '.join(gone) + ' unreachable' if gone else ''}; "
+                           f"the job goes on with {world} of {old} processes: DP {dp_old} -> "
+                           f"{dp_new}, TP x PP and the global batch kept, the checkpoint "
+                           f"reshaped (universal) to the new layout")
+                self.store.record(self.name, "fault", message, cause=cause,
+                                  step=int(rec.get("step", 0)))
+                self.ctx.metrics.faults.labels(self.name, cause).inc()
+            else:
+                cause = "node_joined"
+                message = (f"node(s) back: the job grows from {old} to {world} processes, DP "
+                           f"{dp_old} -> {dp_new}, from the reshaped checkpoint")
+                self.store.record(self.name, "recovery", message, cause=cause,
+                                  step=int(rec.get("step", 0)))
+            self.log.warning("world size changed", old=old, new=world, cause=cause)
+        return cause
 
     def _export(self, job: Job, obs: Observation) -> None:
         m = self.ctx.metrics
@@ -433,7 +498,16 @@ class JobSupervisor:
         if job.loss is not None:
             m.loss.labels(self.name).set(job.loss)
         m.tokens_per_s.labels(self.name).set(job.tokens_per_s)
+        self.analysis.export(m, self.name)
+        for rec in obs.kinds("step"):
+            if isinstance(rec.get("mfu"), int | float):
+                m.mfu.labels(self.name).set(rec["mfu"])
+        self._goodput.update(job, obs)
+        if self._goodput.ratio() is not None:
+            m.goodput.labels(self.name).set(self._goodput.ratio())
         for rec in obs.kinds("checkpoint"):
+            if rec.get("phase") == "committed" and isinstance(rec.get("time"), int | float):
+                m.last_commit.labels(self.name).set(rec["time"])
             if isinstance(rec.get("blocked_s"), int | float):
                 m.checkpoint_blocked.labels(self.name).observe(float(rec["blocked_s"]))
             if isinstance(rec.get("bytes"), int) and rec.get("phase") == "committed":
@@ -451,6 +525,37 @@ class JobSupervisor:
     @staticmethod
     def _config(job: Job) -> JobConfig:
         return JobConfig.model_validate_json(job.config_json)
+
+
+class Goodput:
+    """Useful training time over wall time while the job should be training, since this
+    daemon began supervising it: useful = new steps (re-trained ones are not new) x the median
+    step time; restarts, recovery, re-training and blocked saves all lower it."""
+
+    def __init__(self) -> None:
+        self.wall = 0.0
+        self.useful = 0.0
+        self._last_tick: float | None = None
+        self._max_step: int | None = None
+        self._step_times: list[float] = []
+
+    def update(self, job: Job, obs: Observation) -> None:
+        now = time.monotonic()
+        if job.state in _WORKING and self._last_tick is not None:
+            self.wall += now - self._last_tick
+        self._last_tick = now if job.state in _WORKING else None
+        for rec in obs.kinds("step"):
+            if rec.get("rank", 0) == 0 and isinstance(rec.get("step_time_s"), int | float):
+                self._step_times = (self._step_times + [float(rec["step_time_s"])])[-100:]
+                step = int(rec.get("step", 0))
+                if self._max_step is None:
+                    self._max_step = step - 1
+                if step > self._max_step:
+                    self.useful += (step - self._max_step) * statistics.median(self._step_times)
+                    self._max_step = step
+
+    def ratio(self) -> float | None:
+        return min(1.0, self.useful / self.wall) if self.wall > 1.0 else None
 
 
 class Supervisors:

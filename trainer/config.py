@@ -63,10 +63,22 @@ class ParallelConfig(_Section):
     pp: int = Field(default=1, ge=1, description="pipeline stages")
     dp: int = Field(default=1, ge=1, description="data-parallel replicas")
     zero_stage: int = Field(default=1, ge=0, le=3, description="ZeRO stage; 0/1 with PP > 1")
-    partition_method: Literal["parameters", "uniform"] | list[int] = Field(
+    partition_method: Literal["parameters", "uniform", "measured"] | list[int] = Field(
         default="parameters",
-        description="how blocks are split into stages: by parameter count, uniformly, or an "
-        "explicit list of blocks per stage, e.g. [3, 4, 5]")
+        description="how blocks are split into stages: by parameter count, uniformly, an "
+        "explicit list of blocks per stage, e.g. [3, 4, 5], or \"measured\": start by parameter "
+        "count, time every layer over the first steps, and restart once (checkpoint, new "
+        "boundaries) if the measured split's slowest stage is faster by more than "
+        "partition_threshold (see docs/pipeline-partition.md)")
+    partition_profile_steps: int = Field(
+        default=3, ge=1, le=100, description="steps timed per layer profile (after one warm-up "
+        "step); measured partition and `ds3dctl rebalance`")
+    partition_threshold: float = Field(
+        default=0.05, ge=0, lt=1, description="re-partition only if the measured split's slowest "
+        "stage is faster than the current one's by more than this share")
+    partition_memory_gb: float | None = Field(
+        default=None, gt=0, description="memory limit per stage for the measured split, GiB "
+        "(default: 90% of the GPU's memory; no limit on CPU)")
     activation_checkpoint_interval: int = Field(
         default=0, ge=0, description="recompute activations every N layers (0 = off)")
 
@@ -83,6 +95,9 @@ class TrainConfig(_Section):
     grad_accum_steps: int | None = Field(
         default=None, gt=0, description="micro-batches per step per DP rank (derived if unset)")
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    timing_interval: int = Field(
+        default=50, ge=0, description="measure where the step time goes (forward, backward, "
+        "optimizer, pipeline wait, DP reduction) on step 2 and every N steps; 0 = off")
     lr: float = Field(default=3e-4, gt=0)
     min_lr_ratio: float = Field(default=0.1, ge=0, le=1, description="final LR as a share of lr")
     warmup_steps: int = Field(default=0, ge=0)
@@ -188,6 +203,27 @@ class JobConfig(_Section):
 
     def dump_json(self) -> str:
         return self.model_dump_json(indent=2)
+
+    @property
+    def elastic(self) -> bool:
+        """The job keeps running on fewer nodes than it started with (launch.min_nodes)."""
+        return self.launch.min_nodes is not None and self.launch.min_nodes < self.launch.nnodes
+
+    def at_world_size(self, world_size: int) -> "JobConfig":
+        """The job as it runs on `world_size` processes. An elastic job that lost (or got back)
+        nodes keeps TP x PP and its global batch; DP follows the world and gradient
+        accumulation makes up the difference. Any other job is returned unchanged (and
+        `validate_job` refuses a world size that does not match it)."""
+        p, launch = self.parallel, self.launch
+        if world_size == p.world_size or not self.elastic or world_size % (p.tp * p.pp):
+            return self
+        nproc = launch.nproc_per_node or p.world_size // launch.nnodes
+        nodes = max(1, world_size // nproc)
+        return self.model_copy(update={
+            "parallel": p.model_copy(update={"dp": world_size // (p.tp * p.pp)}),
+            "launch": launch.model_copy(update={
+                "nnodes": nodes, "nproc_per_node": nproc,
+                "min_nodes": min(launch.min_nodes or nodes, nodes)})})
 
     @classmethod
     def load_json(cls, path: str | Path) -> "JobConfig":
@@ -342,6 +378,8 @@ def validate_job(cfg: JobConfig, world_size: int | None = None) -> None:
     launch = cfg.launch
     if launch.min_nodes is not None and launch.min_nodes > launch.nnodes:
         problems.append(f"launch.min_nodes={launch.min_nodes} > launch.nnodes={launch.nnodes}")
+    elif cfg.elastic:
+        problems += _elastic_problems(cfg)
     if launch.nproc_per_node is not None:
         total = launch.nnodes * launch.nproc_per_node
         if total != p.world_size:
@@ -370,6 +408,27 @@ def validate_job(cfg: JobConfig, world_size: int | None = None) -> None:
     if problems:
         raise ConfigError(f"job {cfg.name!r} cannot run as configured:\n  - "
                           + "\n  - ".join(problems))
+
+
+def _elastic_problems(cfg: JobConfig) -> list[str]:
+    """An elastic job must keep its global batch at every node count it may run on."""
+    p, t, launch = cfg.parallel, cfg.train, cfg.launch
+    if t.global_batch_size is None or t.grad_accum_steps is not None:
+        return [f"launch.min_nodes={launch.min_nodes} < nnodes={launch.nnodes} (elastic) needs "
+                "train.global_batch_size set and train.grad_accum_steps unset, so that the "
+                "global batch stays the same when DP shrinks with the nodes"]
+    nproc = launch.nproc_per_node or p.world_size // launch.nnodes
+    bad = []
+    for nodes in range(launch.min_nodes or launch.nnodes, launch.nnodes + 1):
+        world = nodes * nproc
+        if world % (p.tp * p.pp):
+            bad.append(f"{nodes} nodes ({world} processes) is not a multiple of tp x pp = "
+                       f"{p.tp * p.pp}")
+        elif t.global_batch_size % (t.micro_batch_size * (world // (p.tp * p.pp))):
+            bad.append(f"{nodes} nodes: global_batch_size={t.global_batch_size} is not divisible "
+                       f"by micro_batch_size x dp = {t.micro_batch_size} x {world // (p.tp * p.pp)}")
+    return [f"elastic launch.min_nodes={launch.min_nodes}..nnodes={launch.nnodes}: {b}; pick a "
+            "global_batch_size (or min_nodes) that fits every node count" for b in bad]
 
 
 def _divisors(n: int) -> str:

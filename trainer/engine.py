@@ -21,6 +21,7 @@ from .data import BatchPlan
 from .layout import ParallelLayout
 from .model import GPTSequential, build_pipeline
 from .schedule import warmup_cosine
+from .step_timing import StepTimer
 
 
 def deepspeed_config(cfg: JobConfig, dp: int, load_universal: bool = False) -> dict[str, Any]:
@@ -88,13 +89,14 @@ class TrainStep:
     """One optimizer step of the job, over this rank's micro-batches."""
 
     def __init__(self, cfg: JobConfig, layout: ParallelLayout, device: torch.device,
-                 load_universal: bool = False) -> None:
+                 load_universal: bool = False, parts: list[int] | None = None) -> None:
         import deepspeed
 
         self.cfg, self.layout, self.device = cfg, layout, device
         self.pipelined = cfg.parallel.zero_stage < 2
         if self.pipelined:
-            model: torch.nn.Module = build_pipeline(cfg, layout.topology, layout.tp, device)
+            model: torch.nn.Module = build_pipeline(cfg, layout.topology, layout.tp, device,
+                                                    parts)
         else:
             with torch.device(device):
                 model = GPTSequential(cfg, layout.tp)
@@ -109,6 +111,8 @@ class TrainStep:
         if cfg.train.compile:
             self.engine.compile()
         self.plan = BatchPlan(cfg, layout.dp_size, layout.dp_rank)
+        self.timer = StepTimer(self.engine, device, cfg.train.timing_interval)
+        self.last_split: dict[str, Any] | None = None  # of the last sampled step
 
     def _tensors(self, batch: tuple[Any, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = (torch.from_numpy(a) for a in batch)
@@ -119,6 +123,8 @@ class TrainStep:
         engine = self.engine
         skipped_before = engine.skipped_steps
         lr = float(engine.optimizer.param_groups[0]["lr"])  # the LR this step trains with
+        timer = self.timer
+        timer.begin(step + 1)
         t0 = time.perf_counter()
         if self.pipelined:
             batches = (self._tensors(b) for b in self.plan.step_iterator(step))
@@ -126,15 +132,20 @@ class TrainStep:
         else:
             total = torch.zeros((), device=self.device)
             for b in self.plan.step_iterator(step):
-                x, y = self._tensors(b)
-                micro_loss = engine(x, y)
-                engine.backward(micro_loss)
-                engine.step()
+                with timer.part("data"):
+                    x, y = self._tensors(b)
+                with timer.part("forward"):
+                    micro_loss = engine(x, y)
+                with timer.part("backward"):
+                    engine.backward(micro_loss)
+                with timer.part("optimizer"):
+                    engine.step()
                 total += micro_loss.detach().float()
             total /= self.plan.gas
             dist.all_reduce(total, group=self.layout.grid.get_data_parallel_group())
             loss = (total / self.layout.dp_size).item()
         seconds = time.perf_counter() - t0
+        self.last_split = timer.end(seconds, self.layout.pp_size, self.plan.gas)
         norm = engine.get_global_grad_norm()
         return StepResult(
             loss=loss,

@@ -100,8 +100,6 @@ class FaultInjector:
     def before_step(self, step: int, model: torch.nn.Module) -> str | None:
         """Called before training step `step` (1-based number of the step about to finish);
         returns the kind of fault injected now, if any."""
-        if self.slow:
-            time.sleep(0.5)
         req = self._poll()
         if req is None or int(req.get("at_step", step)) > step:
             return None
@@ -115,11 +113,23 @@ class FaultInjector:
         elif kind == "hang":
             while True:
                 time.sleep(3600)
-        elif kind == "slow":
+        elif kind == "slow" and not self.slow:
             self.slow = True
+            _slow_down_forward(model, SLOW_FORWARD_S)
         elif kind == "nan":
             _poison_next_forward(model)
         return kind
+
+
+SLOW_FORWARD_S = 0.1  # per micro-batch: a straggler is slow where it computes, not between steps
+
+
+def _slow_down_forward(model: torch.nn.Module, seconds: float) -> None:
+    """Every forward of this rank's first layer takes `seconds` longer from now on: a device
+    that computes slowly (throttled, degraded), which the others then wait for."""
+    layers = getattr(model, "forward_funcs", None) or list(model.children()) or [model]
+    first = next(layer for layer in layers if isinstance(layer, torch.nn.Module))
+    first.register_forward_pre_hook(lambda _module, _inputs: time.sleep(seconds))
 
 
 def _poison_next_forward(model: torch.nn.Module) -> None:

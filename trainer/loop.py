@@ -26,12 +26,14 @@ from .data import batch_index
 from .faults import FaultInjector, RollbackBudget, SpikeDetector
 from .tensorboard import TensorBoardLog
 from .engine import StepResult, TrainStep
+from .layer_profile import PartitionTuner
 from .layout import ParallelLayout, ProcessEnv
+from .partition import current_partition
 from .report import Reporter
 
 log = structlog.get_logger()
 
-ACTIONS = {"save": 1, "pause": 2, "stop": 3, "stop_now": 4}
+ACTIONS = {"save": 1, "pause": 2, "stop": 3, "stop_now": 4, "profile": 5, "repartition": 6}
 ACTION_NAMES = {v: k for k, v in ACTIONS.items()}
 
 
@@ -41,6 +43,7 @@ class CommandInbox:
     def __init__(self, run_dir: Path) -> None:
         self.path = run_dir / "control" / "command.json"
         self.seen = 0
+        self.payload: dict[str, Any] | None = None  # the newest command as read (rank 0)
 
     def poll(self) -> tuple[int, int]:
         try:
@@ -48,7 +51,10 @@ class CommandInbox:
         except (FileNotFoundError, json.JSONDecodeError):
             return 0, 0
         cid, action = int(cmd.get("id", 0)), ACTIONS.get(cmd.get("action", ""), 0)
-        return (cid, action) if cid > self.seen and action else (0, 0)
+        if cid > self.seen and action:
+            self.payload = cmd
+            return cid, action
+        return 0, 0
 
 
 class Trainer:
@@ -66,10 +72,18 @@ class Trainer:
         self.ckpt = CheckpointManager(
             cfg, run_dir, Rank(env.rank, env.world_size, env.local_rank, layout.tp_size,
                                layout.pp_size, layout.dp_size), device, self.reporter.emit)
+        # stage boundaries: RUN_DIR/partition.json (a measured or rebalanced split) or the method
+        self.partition = current_partition(cfg, run_dir)
+        self.ckpt.partition = self.partition.boundaries  # a checkpoint of another split: universal
         rollback = self._read_rollback() if env.rank == 0 else None
         plan = self.ckpt.plan_restore(rollback) if cfg.checkpoint.load else None
         self.reporter.emit("heartbeat", step=plan.step if plan else 0, phase="build")
-        self.step_fn = TrainStep(cfg, layout, device, load_universal=bool(plan and plan.universal))
+        self.step_fn = TrainStep(cfg, layout, device, load_universal=bool(plan and plan.universal),
+                                 parts=self.partition.boundaries)
+        self.tuner = PartitionTuner(
+            cfg, run_dir, self.step_fn, layout, env.rank, env.local_rank,
+            self.partition.boundaries, self.reporter.emit,
+            auto=cfg.parallel.partition_method == "measured" and not self.partition.detail)
         if plan is not None:
             self._load(plan, rollback)
         self.tb = TensorBoardLog(cfg, run_dir, device, env.world_size, self.step_fn.plan.global_batch,
@@ -121,7 +135,8 @@ class Trainer:
             return
         self.reporter.emit("heartbeat", step=self.step, phase="save")
         position = {"step": self.step,
-                    "skip_batches": [list(w) for w in self.cfg.data.skip_batches]}
+                    "skip_batches": [list(w) for w in self.cfg.data.skip_batches],
+                    "partition": self.partition.boundaries}
         blocked = self.ckpt.save(self.step_fn.engine, self.step, self.client_state(),
                                  self.tokens_seen, position)
         self.saved_step = self.step
@@ -201,32 +216,54 @@ class Trainer:
 
     def _report_step(self, r: StepResult) -> None:
         tps = self.step_fn.tokens_per_step / r.seconds if r.seconds > 0 else 0.0
+        split = self.step_fn.last_split if self.step_fn.timer.sampled(self.step) else None
+        mfu = None
         if self.tb is not None:
-            self.tb.step(self.step, r.loss, r.lr, r.grad_norm, r.loss_scale, tps, r.seconds)
+            mfu = self.tb.step(self.step, r.loss, r.lr, r.grad_norm, r.loss_scale, tps, r.seconds)
+            if split is not None:
+                self.tb.split(self.step, split)
         if self.env.rank == 0:
             self.reporter.emit("step", step=self.step, loss=r.loss, grad_norm=r.grad_norm, lr=r.lr,
                                loss_scale=r.loss_scale, tokens_per_s=round(tps, 1),
                                step_time_s=round(r.seconds, 5), skipped=r.skipped,
-                               tokens_seen=self.tokens_seen)
+                               tokens_seen=self.tokens_seen,
+                               **({"mfu": round(mfu, 4)} if mfu is not None else {}))
             log.info("step", step=self.step, loss=round(r.loss, 6), lr=r.lr,
                      grad_norm=None if r.grad_norm is None else round(r.grad_norm, 4),
                      tokens_per_s=round(tps, 1))
-        self.reporter.emit("heartbeat", step=self.step, phase="train", step_time_s=round(r.seconds, 5))
+        extra = {"split": split, "stage": self.layout.stage} if split is not None else {}
+        self.reporter.emit("heartbeat", step=self.step, phase="train",
+                           step_time_s=round(r.seconds, 5), **extra)
 
     def _obey(self, cid: int, action: int) -> str | None:
         """Acts on a command; returns the reason to stop, if any."""
         name = ACTION_NAMES[action]
         self.inbox.seen = cid
-        if name != "stop_now":
+        status, detail, parts = "done", "", None
+        if name == "profile":
+            if not self.tuner.request():
+                status, detail = "refused", "one pipeline stage: nothing to profile"
+        elif name == "repartition":  # ds3dctl rebalance: checkpoint, then restart with new bounds
+            parts, detail = self.tuner.from_command(self.inbox.payload)
+            if parts is None:
+                status = "refused"
+            else:
+                self.tuner.commit(parts, "rebalance", self.step, "applied")
+        if name in ("save", "pause", "stop") or parts is not None:
             self.save()
-        self.reporter.emit("command", id=cid, action=name, status="done", step=self.step)
+        self.reporter.emit("command", id=cid, action=name, status=status, step=self.step,
+                           **({"detail": detail} if detail else {}))
+        if parts is not None:
+            return "repartition"
         return {"pause": "paused", "stop": "stopped", "stop_now": "stopped"}.get(name)
 
     def run(self) -> str:
         """Trains to the configured step count; returns why it ended."""
         steps, interval = self.cfg.train.steps, self.cfg.checkpoint.interval
         first = self.step
-        self.reporter.emit("start", step=first, device=str(self.device), **self.layout.describe())
+        self.reporter.emit("start", step=first, device=str(self.device), **self.layout.describe(),
+                           partition=self.partition.boundaries,
+                           partition_source=self.partition.source)
         reason = "completed"
         cid, action, _, _ = self._agree()
         while True:
@@ -242,10 +279,12 @@ class Trainer:
                 reason = "paused"
                 break
             self.injector.before_step(self.step + 1, self.step_fn.engine.module)
+            self.tuner.before_step()
             result = self.step_fn.run(self.step)
             self.step += 1
             self.tokens_seen += self.step_fn.tokens_per_step
             self._report_step(result)
+            profiled = self.tuner.after_step(self.step)  # collective when a profile window ends
             cid, action, bad, spike = self._agree(*self._verdict(result))
             if bad or spike:
                 stop = self._recover("nan" if bad else "spike", result)
@@ -253,6 +292,10 @@ class Trainer:
                     reason = stop
                     break
                 continue
+            if profiled is not None and self.tuner.decide(*profiled, self.step) is not None:
+                self.save()  # measured split is faster: restart on it from this checkpoint
+                reason = "repartition"
+                break
             if interval and self.step % interval == 0 and self.step < steps:
                 self.save()
         if reason == "completed" and self.step > first:

@@ -15,10 +15,10 @@ import math
 import torch
 import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, PipelineModule
-from deepspeed.runtime import utils as ds_utils
 from torch import nn
 
 from .config import JobConfig, ModelConfig
+from .partition import layer_param_counts, stage_boundaries  # noqa: F401 (re-exported)
 from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TPGroup,
                               VocabParallelEmbedding, vocab_parallel_cross_entropy)
 
@@ -116,29 +116,6 @@ def layer_specs(cfg: ModelConfig, tp: TPGroup, seed: int) -> list[LayerSpec]:
     return specs
 
 
-def layer_param_counts(cfg: ModelConfig) -> list[int]:
-    """Parameters of each pipeline layer, computed, not built (building a 10B model on every
-    rank just to count it would cost minutes)."""
-    d, v = cfg.d_model, cfg.vocab_size
-    blocks = [4 * d * d + 4 * d + 2 * d * f + f + d + 4 * d for f in cfg.block_ffn_widths()]
-    return [v * d] + blocks + [d * v + 2 * d]
-
-
-def stage_boundaries(cfg: JobConfig) -> list[int]:
-    """Layer indices where each pipeline stage starts (plus the end), from the job's method:
-    explicit blocks per stage, uniform blocks per stage, or balanced parameter counts."""
-    p, n = cfg.parallel, cfg.model.n_layers
-    method = p.partition_method
-    if isinstance(method, list) or method == "uniform":
-        blocks = method if isinstance(method, list) else [n // p.pp] * p.pp
-        parts, acc = [0], 1
-        for count in blocks[:-1]:
-            acc += count
-            parts.append(acc)
-        return parts + [n + 2]
-    return ds_utils.partition_balanced(weights=layer_param_counts(cfg.model), num_parts=p.pp)
-
-
 class GPTPipeline(PipelineModule):
     """PipelineModule whose stage boundaries are computed by ds3d (see `stage_boundaries`)."""
 
@@ -152,12 +129,14 @@ class GPTPipeline(PipelineModule):
         self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
 
 
-def build_pipeline(cfg: JobConfig, topology, tp: TPGroup, device: torch.device) -> GPTPipeline:
-    """Builds only this rank's stage, with parameters created directly on `device`."""
+def build_pipeline(cfg: JobConfig, topology, tp: TPGroup, device: torch.device,
+                   parts: list[int] | None = None) -> GPTPipeline:
+    """Builds only this rank's stage, with parameters created directly on `device`; `parts`
+    are the stage boundaries (default: from the job's partition method, see partition.py)."""
     with torch.device(device):
         return GPTPipeline(
             layer_specs(cfg.model, tp, cfg.train.seed),
-            parts=stage_boundaries(cfg),
+            parts=list(parts) if parts is not None else stage_boundaries(cfg),
             topology=topology,
             loss_fn=VocabParallelLoss(tp),
             activation_checkpoint_interval=cfg.parallel.activation_checkpoint_interval,

@@ -48,7 +48,8 @@ class TensorBoardLog:
         self.restart = restart
 
     def step(self, step: int, loss: float, lr: float, grad_norm: float | None,
-             loss_scale: float | None, tokens_per_s: float, step_time_s: float) -> None:
+             loss_scale: float | None, tokens_per_s: float, step_time_s: float) -> float | None:
+        """Logs one step; returns its MFU where the peak is known."""
         w = self.writer
         w.add_scalar("train/loss", loss, step)
         w.add_scalar("train/lr", lr, step)
@@ -59,7 +60,19 @@ class TensorBoardLog:
         w.add_scalar("perf/tokens_per_s", tokens_per_s, step)
         w.add_scalar("perf/step_time_s", step_time_s, step)
         if self.peak_total and step_time_s > 0:
-            w.add_scalar("perf/mfu", self.flops / step_time_s / self.peak_total, step)
+            mfu = self.flops / step_time_s / self.peak_total
+            w.add_scalar("perf/mfu", mfu, step)
+            return mfu
+        return None
+
+    def split(self, step: int, split: dict) -> None:
+        """Rank 0's step-time split of a sampled step (its stage's view; every rank's is in the
+        reports and, per stage, in Prometheus)."""
+        for key, value in split.items():
+            if key in ("bubble", "bubble_theoretical", "reduce_to_forward"):
+                self.writer.add_scalar(f"perf/{key}", value, step)
+            else:
+                self.writer.add_scalar(f"time/{key}", value, step)
 
     def scalar(self, tag: str, value: float, step: int) -> None:
         self.writer.add_scalar(tag, value, step)

@@ -79,6 +79,7 @@ def _train(cfg: JobConfig, run_dir: Path, env, stop_at_step: int | None) -> int:
     device = pick_device(cfg, env.local_rank)
     init_distributed(device, timeout=timedelta(seconds=float(os.environ.get(
         "DS3D_COLLECTIVE_TIMEOUT_S", 300))))
+    cfg = cfg.at_world_size(env.world_size)  # an elastic job after losing or regaining nodes
     layout = ParallelLayout(cfg, env)
     trainer = Trainer(cfg, run_dir, env, layout, device, stop_at_step)
     try:

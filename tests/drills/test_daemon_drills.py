@@ -140,6 +140,68 @@ def test_crashed_worker_group_is_restarted_and_matches(daemon, reference):
     assert_same_losses(run_dir, reference)
 
 
+@pytest.mark.timeout(900)
+def test_straggler_is_named_and_exported_per_rank(daemon, reference):
+    """Rank 2's forward becomes slow (a throttled device): every rank's wall step time grows
+    alike (they wait for it), but its compute time stands out: a `straggler` diagnosis names
+    rank 2, and `ds3d_rank_step_seconds` shows it per rank. Nothing restarts; losses unchanged."""
+    from prometheus_client.parser import text_string_to_metric_families
+    import urllib.request
+
+    name = "slow"
+    start(daemon, name, "--set", "train.timing_interval=2")
+    run_dir = inject_when_running(daemon, name, "slow", rank=2)
+    job = daemon.wait_state(name, "COMPLETED", "FAILED", timeout_s=600)
+    assert job["state"] == "COMPLETED", logs(daemon, name)
+    assert job["restarts"] == 0
+    evs = events(daemon, name)
+    slow = [e for e in evs if e["kind"] == "diagnosis" and e["cause"] == "straggler"]
+    assert len(slow) == 1, [e["message"] for e in evs if e["kind"] == "diagnosis"]
+    # rank 3, its tensor-parallel peer, waits for it inside forward: it may look slow too
+    assert 2 in slow[0]["detail"]["slow_ranks"] and set(slow[0]["detail"]["slow_ranks"]) <= {2, 3}
+    assert slow[0]["rank"] in (2, 3) and slow[0]["step"] > AT_STEP, slow[0]
+    assert "(stage 1" in slow[0]["message"] and "longer per step" in slow[0]["message"]
+    port = daemon.argv[daemon.argv.index("--metrics-port") + 1]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    per_rank = {s.labels["rank"]: s.value for f in text_string_to_metric_families(text)
+                for s in f.samples if s.name == "ds3d_rank_step_seconds" and
+                s.labels["job"] == name}
+    assert sorted(per_rank) == ["0", "1", "2", "3"]
+    assert per_rank["2"] > 1.5 * max(per_rank["0"], per_rank["1"]), per_rank
+    # every sampled step's split is in rank 0's heartbeats, with the pipeline bubble beside
+    # the schedule's theoretical one
+    splits = [r["split"] for r in records(run_dir, 0, "heartbeat") if "split" in r]
+    assert splits and all(s["forward"] > 0 and s["backward"] > 0 for s in splits)
+    assert all(0 <= s["bubble"] <= 1 and s["bubble_theoretical"] > 0 for s in splits)
+    assert_same_losses(run_dir, reference)
+
+
+@pytest.mark.timeout(900)
+def test_nan_rolls_back_through_the_daemon(daemon, reference):
+    """An injected NaN on rank 1 (bf16-style policy: roll back, skip the window): the job
+    completes, the fault and the recovery are events, steps before the rollback point keep
+    the reference losses and none after it is NaN."""
+    name = "nan"
+    start(daemon, name)
+    run_dir = inject_when_running(daemon, name, "nan", rank=1)
+    job = daemon.wait_state(name, "COMPLETED", "FAILED", timeout_s=600)
+    assert job["state"] == "COMPLETED", logs(daemon, name)
+    evs = events(daemon, name)
+    nan = [e for e in evs if e["kind"] == "fault" and e["cause"] == "nan"]
+    assert sorted(e["rank"] for e in nan) == [0, 1, 2, 3]  # every rank agreed on it
+    assert {e["step"] for e in nan} == {AT_STEP}, [e["message"] for e in nan]
+    rec = records(run_dir, 0, "recovery")
+    assert len(rec) == 1 and rec[0]["cause"] == "nan" and rec[0]["recovered_to"] < AT_STEP
+    back = rec[0]["recovered_to"]
+    assert rec[0]["skipped_batches"] == [AT_STEP - 1, AT_STEP]  # batch AT_STEP-1 fed step AT_STEP
+    got = losses(run_dir)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert all(v == v for v in got.values())
+    for step in range(1, back + 1):
+        assert got[step] == pytest.approx(reference[step], rel=1e-6), f"step {step}"
+    assert got[AT_STEP] != pytest.approx(reference[AT_STEP], rel=1e-6)  # other data now
+
+
 @pytest.mark.timeout(600)
 def test_config_refused_by_the_workers_fails_at_once(daemon, tmp_path):
     """A data file that exists (the daemon's start checks pass) but holds fewer tokens than one

@@ -149,3 +149,65 @@ def test_unreachable_node_fails_the_launch_cleanly(tmp_path):
     finally:
         a.stop()
         kill_job_processes(a.state_dir)
+
+
+def test_lost_node_job_finishes_on_the_others_with_a_reshape(tmp_path):
+    """Three daemons as three nodes run an elastic job (DP 3, launch.min_nodes 2). One node
+    is SIGKILLed, daemon, agent and worker together: the other two re-rendezvous, DP shrinks to
+    2 with the same global batch, the newest checkpoint is reshaped (universal) to the new
+    layout, and the job completes. Its losses equal a single-process run of the same global
+    batch (the data order does not depend on DP)."""
+    token = new_token()
+    daemons = [DaemonProc(tmp_path / n, token=token, node=f"node-{n}",
+                          args=["--hang-timeout", "120", "--node-addr", f"127.0.0.{i + 1}"])
+               for i, n in enumerate("abc")]
+    steps = 16
+    sets = ["--set", "launch.min_nodes=2", "--set", "train.micro_batch_size=1",
+            "--set", "train.global_batch_size=6", "--set", "checkpoint.interval=3",
+            "--set", "train.warmup_steps=2"]
+    store = tmp_path / "shared-store"
+    try:
+        for d in daemons:
+            d.start()
+        a, _b, c = daemons
+        r = a.ctl("start", "tiny", "--name", "ln", "--dp", "3", "--steps", str(steps), *sets,
+                  "--hosts", ",".join(d.addr for d in daemons), "--store", f"file://{store}")
+        assert r.returncode == 0, r.stderr
+        job = a.wait_for("ln", lambda j: (j["last_checkpoint_step"] or 0) >= 3 or
+                         j["state"] in ("FAILED", "COMPLETED"), "a checkpoint", timeout_s=400)
+        assert job["state"] == "RUNNING" and job["world_size"] == 3, \
+            a.ctl("logs", "ln").stdout[-5000:]
+        assert job["step"] < steps - 3, f"the job ran too fast to lose a node mid-run: {job}"
+
+        c.kill()  # node c dies: its daemon, then its agent and worker, all by SIGKILL
+        kill_job_processes(c.state_dir)
+
+        done = a.wait_state("ln", "COMPLETED", "FAILED", timeout_s=500)
+        assert done["state"] == "COMPLETED", a.ctl("logs", "ln").stdout[-5000:]
+        assert done["step"] == steps and done["world_size"] == 2
+
+        events = a.events("ln")
+        lost = [e for e in events if e["kind"] == "fault" and e["cause"] == "node_lost"]
+        assert len(lost) == 1 and "DP 3 -> 2" in lost[0]["message"], events
+        assert any(e["kind"] == "checkpoint" and "reshaped" in e["message"] for e in events)
+        head_dir = Path(done["run_dir"])
+        reshaped = [r for r in rank0_records(head_dir, "checkpoint") if r["phase"] == "reshaped"]
+        assert reshaped and reshaped[0]["detail"] == "(tp,pp,dp) 1,1,3 -> 1,1,2", reshaped
+        starts = rank0_records(head_dir, "start")
+        assert [s["world_size"] for s in starts][:1] == [3] and starts[-1]["world_size"] == 2
+        assert starts[-1]["dp"] == 2 and starts[-1]["step"] >= 3
+
+        got = losses(head_dir)
+        assert sorted(got) == list(range(1, steps + 1))
+        ref = tmp_path / "ref"
+        torchrun(ref, 1, sets=["name=ln", "train.micro_batch_size=1",
+                               "train.global_batch_size=6", "train.warmup_steps=2",
+                               f"train.steps={steps}", "checkpoint.interval=0"])
+        want = losses(ref)
+        for step in range(1, steps + 1):
+            assert got[step] == pytest.approx(want[step], rel=2e-4), f"step {step}"
+    finally:
+        for d in daemons:
+            d.stop()
+        for d in daemons:
+            kill_job_processes(d.state_dir)

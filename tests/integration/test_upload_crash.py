@@ -1,9 +1,11 @@
 """Crash safety: an uploader SIGKILLed in the middle of a multipart upload never produces a
-restorable checkpoint, the previous one stays the restore point, and the next upload commits.
-Corrupt shards (truncated, bit-flipped) are caught by size / sha256 and skipped."""
+restorable checkpoint, the previous one stays the restore point, and the next upload resumes the
+killed one (sending only the missing parts) and commits. Corrupt shards (truncated, bit-flipped)
+are caught by size / sha256 and skipped."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -17,8 +19,13 @@ import structlog
 
 from ds3d.checkpoints import layout
 from ds3d.checkpoints.catalog import Catalog, CkptState
-from ds3d.checkpoints.s3_storage import S3Storage
-from ds3d.checkpoints.upload import commit_checkpoint, read_marker, upload_rank_files
+from ds3d.checkpoints.s3_storage import S3Storage, UploadJournal
+from ds3d.checkpoints.upload import (
+    commit_checkpoint,
+    multipart_journal_path,
+    read_marker,
+    upload_rank_files,
+)
 from fixtures.ckpt import meta_for, write_fake_checkpoint
 
 pytest_plugins = ["fixtures.s3"]
@@ -84,6 +91,9 @@ def test_sigkill_mid_multipart_upload(make_s3_storage: Any, moto_server: Any,
     assert not storage.exists(layout.file_key(200, BIG))
     assert storage.get_bytes(layout.LATEST_KEY) == b"ckpt/step-00000100"
     assert read_marker(layout.local_rank_marker(local, 200, 0))["state"] == "pending"
+    (journaled,) = UploadJournal(multipart_journal_path(local, 200, 0)).records().values()
+    assert [u for k, u in storage.list_incomplete_uploads() if k.endswith(BIG)] == [
+        journaled["upload_id"]]
 
     states = {c.step: c.state for c in Catalog(storage, local).list()}
     assert states == {100: CkptState.COMMITTED, 200: CkptState.UPLOADING}
@@ -91,12 +101,17 @@ def test_sigkill_mid_multipart_upload(make_s3_storage: Any, moto_server: Any,
         found = Catalog(storage, where).newest_restorable()
         assert found is not None and found.step == 100
 
-    # The next attempt uploads and commits step 200; the killed upload's parts are aborted.
+    # The next attempt continues the killed upload (its parts are kept, not sent again) and
+    # commits step 200; no unfinished upload is left behind.
     done = subprocess.run(upload_cmd(storage, local, 200), env=env, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert storage.abort_incomplete_uploads(layout.step_prefix(200)) == 1
+    events = [json.loads(line) for line in done.stderr.splitlines() if line.startswith("{")]
+    resumed = [e for e in events if e["event"] == "multipart_resumed"]
+    assert [(e["upload_id"], e["parts"]) for e in resumed] == [(journaled["upload_id"], 8)]
+    assert resumed[0]["kept"] >= parts and resumed[0]["sending"] == 8 - resumed[0]["kept"]
     assert storage.list_incomplete_uploads() == []
+    assert not multipart_journal_path(local, 200, 0).exists()
     found = Catalog(storage, tmp_path / "fresh-node-2").newest_restorable()
     assert found is not None and (found.step, found.source) == (200, "downloaded")
     assert Catalog(storage, local).verify(200, checksums=True) == []

@@ -1,0 +1,139 @@
+"""What the workers' sampled step-time splits say: stragglers, pipeline bubble, slow
+data-parallel reduction, each as a diagnosis that names the cause and the fix.
+
+Every rank reports, on sampled steps (`train.timing_interval`), a heartbeat with its split
+(trainer/step_timing.py): forward, backward, optimizer, pipeline wait, DP reduction and its
+compute time (forward + backward + optimizer, no waiting). Synchronous training makes every
+rank's wall step time equal, so the straggler signal is compute time: the slow rank computes
+longer, the others wait for it.
+
+A detector (the supervisor's `Detector` protocol) that never restarts anything: its faults are
+diagnoses (event kind `diagnosis`), each kind raised once per cooldown.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+from .detectors import Fault
+from .metrics import Metrics
+from .reports import Observation
+from .store import Job
+
+BUBBLE_TARGET = 0.15           # the seed's tuning targets
+REDUCE_TO_FORWARD_TARGET = 0.30
+
+
+class StepAnalysis:
+    def __init__(self, straggler_factor: float = 1.5, straggler_min_gap_s: float = 0.05,
+                 cooldown_s: float = 600.0) -> None:
+        self.factor, self.min_gap_s, self.cooldown_s = straggler_factor, straggler_min_gap_s, \
+            cooldown_s
+        self.splits: dict[int, dict[str, Any]] = {}  # rank -> newest sampled split (+ stage, node)
+        self._raised: dict[tuple[str, int], float] = {}  # (kind, -1) -> monotonic time
+        self._pending: list[Fault] = []
+
+    # -- Detector ---------------------------------------------------------------------------
+
+    def check(self, job: Job, obs: Observation, agent_exit: int | None) -> Fault | None:
+        if any(r.get("kind") == "start" for r in obs.records):
+            self.splits.clear()  # a new group: ranks may have other roles now
+        fresh = False
+        for rec in obs.kinds("heartbeat"):
+            split = rec.get("split")
+            if isinstance(split, dict) and isinstance(split.get("compute_s"), int | float):
+                self.splits[int(rec.get("rank", -1))] = {
+                    **split, "stage": int(rec.get("stage", 0)), "node": rec.get("node", ""),
+                    "step": int(rec.get("step", 0))}
+                fresh = True
+        if fresh:
+            self._diagnose()
+        return self._pending.pop(0) if self._pending else None
+
+    # -- diagnoses --------------------------------------------------------------------------
+
+    def _diagnose(self) -> None:
+        self._straggler()
+        bubble = self.bubble()
+        if bubble is not None and bubble[0] > BUBBLE_TARGET:
+            measured, theory = bubble
+            m = next((s for s in self.splits.values() if "bubble" in s), {})
+            self._raise("pipeline_bubble", -1, m.get("step"), (
+                f"pipeline bubble {measured:.0%} of the step (target < {BUBBLE_TARGET:.0%}; "
+                f"the 1F1B schedule alone gives {theory:.0%}): "
+                + ("raise the micro-batches per step (train.global_batch_size / "
+                   "micro_batch_size / dp) so that (p-1)/(m+p-1) falls"
+                   if theory > BUBBLE_TARGET else
+                   "the stages are unbalanced; re-split them by measured cost "
+                   "(parallel.partition_method = \"measured\", or `ds3dctl rebalance`)")),
+                {"bubble": measured, "bubble_theoretical": theory})
+        ratio = self.reduce_to_forward()
+        if ratio is not None and ratio > REDUCE_TO_FORWARD_TARGET:
+            self._raise("dp_reduce_slow", -1, None, (
+                f"data-parallel gradient reduction takes {ratio:.0%} of the forward time "
+                f"(target < {REDUCE_TO_FORWARD_TARGET:.0%}): use a larger micro-batch (more "
+                "compute per reduction), larger reduce buckets (train.deepspeed_config: "
+                "reduce_bucket_size) with overlap_comm, or fewer DP ranks per node link"),
+                {"reduce_to_forward": ratio})
+
+    def _straggler(self) -> None:
+        if len(self.splits) < 2:
+            return
+        compute = {r: float(s["compute_s"]) for r, s in self.splits.items()}
+        median = statistics.median(compute.values())
+        rank, worst = max(compute.items(), key=lambda kv: kv[1])
+        slow = sorted(r for r, c in compute.items()
+                      if c > self.factor * median and c - median > self.min_gap_s)
+        if slow:
+            s = self.splits[rank]
+            where = f"stage {s['stage']}" + (f" on node {s['node']}" if s.get("node") else "")
+            also = f"; also slow: ranks {[r for r in slow if r != rank]} (a tensor-parallel " \
+                "peer waits for it inside forward/backward)" if len(slow) > 1 else ""
+            self._raise("straggler", rank, s.get("step"), (
+                f"straggler: rank {rank} ({where}) computes {worst / median:.1f}x longer per "
+                f"step than the median rank ({worst:.3f} s vs {median:.3f} s; the others wait "
+                f"for it){also}: check that device and host (clocks, thermal throttling, ECC "
+                "errors, other processes), and drain the node if it stays slow"),
+                {"compute_s": compute, "median_s": median, "slow_ranks": slow})
+
+    def _raise(self, kind: str, rank: int, step: int | None, message: str,
+               detail: dict[str, Any]) -> None:
+        now = time.monotonic()
+        if now - self._raised.get((kind, -1), -1e18) < self.cooldown_s:
+            return
+        self._raised[(kind, -1)] = now
+        self._pending.append(Fault(kind, message, restart=False, rank=rank, step=step,
+                                   detail=detail, kind="diagnosis"))
+
+    # -- figures ----------------------------------------------------------------------------
+
+    def bubble(self) -> tuple[float, float] | None:
+        """(measured, theoretical): the mean over ranks of the newest sampled steps."""
+        vals = [(s["bubble"], s["bubble_theoretical"]) for s in self.splits.values()
+                if "bubble" in s]
+        if not vals:
+            return None
+        return statistics.mean(v for v, _ in vals), vals[0][1]
+
+    def reduce_to_forward(self) -> float | None:
+        vals = [s["reduce_to_forward"] for s in self.splits.values() if "reduce_to_forward" in s]
+        return max(vals) if vals else None
+
+    def export(self, metrics: Metrics, job: str) -> None:
+        per_stage: dict[tuple[int, str], float] = {}
+        for rank, s in self.splits.items():
+            metrics.rank_step_seconds.labels(job, str(rank)).set(s["compute_s"])
+            for part in ("forward", "backward", "optimizer", "p2p_wait", "dp_reduce", "data"):
+                key = (s["stage"], part)
+                per_stage[key] = max(per_stage.get(key, 0.0), float(s.get(part, 0.0)))
+        for (stage, part), value in per_stage.items():
+            metrics.step_split.labels(job, str(stage), part).set(value)
+        bubble = self.bubble()
+        if bubble is not None:
+            metrics.bubble.labels(job, "measured").set(bubble[0])
+            metrics.bubble.labels(job, "theoretical").set(bubble[1])
+        ratio = self.reduce_to_forward()
+        if ratio is not None:
+            metrics.reduce_to_forward.labels(job).set(ratio)
