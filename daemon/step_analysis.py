@@ -34,6 +34,7 @@ class StepAnalysis:
         self.splits: dict[int, dict[str, Any]] = {}  # rank -> newest sampled split (+ stage, node)
         self._raised: dict[tuple[str, int], float] = {}  # (kind, -1) -> monotonic time
         self._pending: list[Fault] = []
+        self._exported: set[int] = set()  # ranks with a ds3d_rank_step_seconds series
 
     # -- Detector ---------------------------------------------------------------------------
 
@@ -122,6 +123,9 @@ class StepAnalysis:
         return max(vals) if vals else None
 
     def export(self, metrics: Metrics, job: str) -> None:
+        for rank in self._exported - set(self.splits):  # ranks of a group that is gone
+            metrics.rank_step_seconds.remove(job, str(rank))
+        self._exported = set(self.splits)
         per_stage: dict[tuple[int, str], float] = {}
         for rank, s in self.splits.items():
             metrics.rank_step_seconds.labels(job, str(rank)).set(s["compute_s"])
