@@ -26,13 +26,13 @@ read a command at a step boundary without a server of their own (command.json).
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
 
 from ds3d.trainer.config import JOB_NAME_RE
 from ds3d.trainer.errors import ConfigError
+from ds3d.trainer.fileio import atomic_write_text
 
 ACTIONS = ("save", "pause", "stop", "stop_now", "profile", "repartition")
 # Control files the head copies to the other nodes of a multi-node job: rank 0 (which reads
@@ -82,12 +82,12 @@ class JobDir:
     def create(self, config_json: str) -> None:
         for d in (self.reports, self.ckpt, self.logs, self.control):
             d.mkdir(parents=True, exist_ok=True)
-        _atomic_write(self.job_json, config_json)
+        atomic_write_text(self.job_json, config_json)
 
     def write_command(self, command_id: int, action: str, **extra: Any) -> None:
         if action not in ACTIONS:
             raise ValueError(f"unknown worker command {action!r}")
-        _atomic_write(self.command_file, json.dumps(
+        atomic_write_text(self.command_file, json.dumps(
             {"id": command_id, "action": action, "time": round(time.time(), 3), **extra}))
 
     def command(self) -> dict[str, Any] | None:
@@ -98,7 +98,7 @@ class JobDir:
             return None
 
     def write_restore(self, step: int, request_id: int) -> None:
-        _atomic_write(self.control / "restore.json",
+        atomic_write_text(self.control / "restore.json",
                       json.dumps({"id": request_id, "step": step, "time": time.time()}))
 
     @property
@@ -111,7 +111,7 @@ class JobDir:
             raise ValueError(f"unknown fault kind {kind!r}")
         text = json.dumps({"id": inject_id, "kind": kind, "rank": rank, "at_step": at_step,
                            "time": round(time.time(), 3)})
-        _atomic_write(self.inject_file, text)
+        atomic_write_text(self.inject_file, text)
         return text
 
     def inject(self) -> dict[str, Any] | None:
@@ -125,7 +125,7 @@ class JobDir:
         if file not in CONTROL_FILES:
             raise ConfigError(f"control file {file!r} is not one of {', '.join(CONTROL_FILES)}")
         if text:
-            _atomic_write(self.control / file, text)
+            atomic_write_text(self.control / file, text)
         else:
             (self.control / file).unlink(missing_ok=True)
 
@@ -140,12 +140,3 @@ class JobDir:
         return str(path.relative_to(self.reports))
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    """tmp + fsync + rename: a reader sees the old file or the new one, never half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)

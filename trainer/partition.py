@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
 import time
 from collections.abc import Iterable, Sequence
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import JobConfig, ModelConfig
+from .fileio import atomic_write_text
 
 PARTITION_FILE = "partition.json"
 PROFILE_DIR = "profile"
@@ -171,18 +171,8 @@ def write_partition_file(run_dir: str | Path, cfg: JobConfig, boundaries: Sequen
     data = {"format": FORMAT, "boundaries": [int(b) for b in boundaries], "source": source,
             "pp": cfg.parallel.pp, "n_layers": cfg.model.n_layers,
             "model_hash": cfg.model_hash(), "time": round(time.time(), 3), **detail}
-    _atomic_write(path, json.dumps(data, indent=1, default=float))
+    atomic_write_text(path, json.dumps(data, indent=1, default=float))
     return path
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 # --------------------------------------------------------------------------------------------
@@ -440,7 +430,7 @@ def costs_json(merged: dict[str, Any], proposal: Proposal | None = None,
 
 def write_layer_costs(run_dir: str | Path, text: str) -> Path:
     path = Path(run_dir) / PROFILE_DIR / LAYER_COSTS_FILE
-    _atomic_write(path, text)
+    atomic_write_text(path, text)
     return path
 
 
