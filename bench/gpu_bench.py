@@ -326,14 +326,35 @@ def sec_checkpoint(args) -> dict:
     cfg, device, layout, TrainStep = engine_stack(args, ["checkpoint.keep_last=2"])
     step_fn = TrainStep(cfg, layout, device)
     engine = step_fn.engine
+    progress("built")
     work = Path(args.work)
     run_dir = work / "ckpt-run"
     ckpt = CheckpointManager(cfg, run_dir, Rank(0, 1, 0, 1, 1, 1), device, lambda *a, **k: None)
     out: dict = {"ds3d_blocked_s": [], "ds3d_host_copy_s": [], "ds3d_time_to_committed_s": []}
     step = 0
-    step_fn.run(step)
-    step += 1
+    for _ in range(2):
+        step_fn.run(step)
+        step += 1
     sync(device)
+    t0, k = time.perf_counter(), 0
+    for _ in range(4):
+        step_fn.run(step)
+        step, k = step + 1, k + 1
+    sync(device)
+    out["step_s_before_pinning"] = (time.perf_counter() - t0) / k
+    progress("trained", step_s=out["step_s_before_pinning"])
+    # what the trainer does after its restore: pin the snapshot memory while training goes on
+    t0, k = time.perf_counter(), 0
+    out["pinned_reserved_bytes"] = ckpt.prepare(engine)
+    while not ckpt.snapshot.arena_ready() and k < 200:
+        step_fn.run(step)
+        step, k = step + 1, k + 1
+    sync(device)
+    out["pinning_s"] = time.perf_counter() - t0
+    out["arena_pinned"] = ckpt.snapshot._arena is not None
+    out["steps_while_pinning"] = k
+    out["step_s_while_pinning"] = out["pinning_s"] / max(k, 1)
+    progress("pinned", seconds=out["pinning_s"], steps=k, ok=out["arena_pinned"])
     # baseline: DeepSpeed's own synchronous save (its default engine), to the same local disk
     engine.checkpoint_engine = TorchCheckpointEngine()
     sync_dir = work / "sync"
@@ -342,6 +363,7 @@ def sec_checkpoint(args) -> dict:
     sync(device)
     out["sync_blocked_s"] = time.perf_counter() - t0
     out["state_bytes"] = _dir_bytes(sync_dir / "s0")
+    progress("sync save", seconds=out["sync_blocked_s"], bytes=out["state_bytes"])
     shutil.rmtree(sync_dir)  # the disk holds ~3 copies at most; keep it to 2
     for i in range(2):  # 0: first save (allocates the pinned buffers), 1: steady state
         step_fn.run(step)
@@ -362,6 +384,8 @@ def sec_checkpoint(args) -> dict:
         out.setdefault("steps_trained_during_background_write", []).append(k)
         out.setdefault("step_s_during_background_write", []).append(
             (time.perf_counter() - t_train) / max(k, 1))
+        progress(f"ds3d save {i}", blocked=blocked,
+                 committed=out["ds3d_time_to_committed_s"][-1], steps=k)
         if i == 0:
             ckpt.catalog.delete(step - k, force=True)
     ckpt.close()
@@ -369,22 +393,15 @@ def sec_checkpoint(args) -> dict:
         out["floor_s"] = out["state_bytes"] / (args.d2h_pinned * 1e9)
         out["ds3d_blocked_over_floor"] = out["ds3d_blocked_s"][-1] / out["floor_s"]
     out["ds3d_blocked_over_sync"] = out["ds3d_blocked_s"][-1] / out["sync_blocked_s"]
-    out["note"] = "index 0 = first save (allocates the pinned host buffers), 1 = steady state"
+    out["note"] = ("index 0 = first save of the process (its buffers carved from the arena "
+                   "pinned in the background), 1 = steady state")
     return out
 
 
 def sec_restore(args) -> dict:
     """A fresh torchrun (agent, c10d rendezvous, worker) resuming the job `checkpoint` saved."""
     run_dir = Path(args.work) / "ckpt-run"
-    if not (run_dir / "job.json").exists():
-        cfg = build_cfg(args, ["checkpoint.keep_last=2"])
-        (run_dir / "job.json").write_text(cfg.dump_json())
-    cfg_dict = json.loads((run_dir / "job.json").read_text()) if (run_dir / "job.json").exists() \
-        else None
-    from ds3d.trainer.config import JobConfig
-
     cfg = build_cfg(args, ["checkpoint.keep_last=2"])
-    steps = None
     store = run_dir / "store" / "bench" / "ckpt"
     saved = sorted(int(p.name.split("-")[1]) for p in store.glob("step-*") if
                    (p / "MANIFEST.json").exists()) if store.is_dir() else []
@@ -395,16 +412,27 @@ def sec_restore(args) -> dict:
     (run_dir / "job.json").write_text(cfg.dump_json())
     env = dict(os.environ, DS_ACCELERATOR=args.device if args.device == "cuda" else "cpu",
                TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", NCCL_NVLS_ENABLE="0")
+    reports, log = run_dir / "reports" / "rank-00000.jsonl", run_dir / "restore.log"
+    seen = len(reports.read_text().splitlines()) if reports.exists() else 0
     t0 = time.time()
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node=1", "-m", "ds3d.trainer.worker", "--run-dir",
-                           str(run_dir)], env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        return {"error": proc.stderr[-3000:]}
-    restart = max(json.loads(line)["restart"] for line in (run_dir / "reports" /
-                  "rank-00000.jsonl").read_text().splitlines())
-    recs = [json.loads(line) for line in (run_dir / "reports" / "rank-00000.jsonl").read_text()
-            .splitlines()]
+    # the first step is what is measured: the process group is killed then (its final save of
+    # the whole state would only lengthen the device call)
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             "--nproc-per-node=1", "-m", "ds3d.trainer.worker", "--run-dir",
+                             str(run_dir)], env=env, stdout=subprocess.DEVNULL,
+                            stderr=log.open("w"), start_new_session=True)
+    recs: list[dict] = []
+    while time.time() - t0 < 400 and proc.poll() is None:
+        time.sleep(0.5)
+        recs = [json.loads(line) for line in reports.read_text().splitlines()[seen:]] \
+            if reports.exists() else []
+        if any(r["kind"] == "step" for r in recs):
+            break
+    if proc.poll() is None:
+        os.killpg(proc.pid, 9)
+    proc.wait()
+    if not any(r["kind"] == "step" for r in recs):
+        return {"error": log.read_text()[-3000:]}
     pid = [r for r in recs if r["kind"] == "start"][-1]["pid"]
     mine = [r for r in recs if r["pid"] == pid]
 
@@ -415,7 +443,6 @@ def sec_restore(args) -> dict:
     init, build = first("heartbeat", phase="init"), first("heartbeat", phase="build")
     load, loaded = first("heartbeat", phase="load"), first("checkpoint", phase="loaded")
     step1 = first("step")
-    _ = (restart, cfg_dict, JobConfig)
     return {"total_s": step1 - t0,
             "parts_s": {"agent + rendezvous + python/torch/CUDA init": init - t0,
                         "choose + verify checkpoint (sha256 of local copy)": build - init,
@@ -447,6 +474,8 @@ def main() -> None:
     ap.add_argument("--sections", default=",".join(SECTIONS))
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--section-timeout", type=float, default=420.0,
+                    help="seconds after which a section is killed (default 420)")
     ap.add_argument("--section", help=argparse.SUPPRESS)
     ap.add_argument("--work", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--peak", type=float, default=None, help=argparse.SUPPRESS)
@@ -482,17 +511,49 @@ def main() -> None:
         env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
                    NVSHMEM_DISABLE_NVLS="1", PYTHONUNBUFFERED="1",
                    DS_ACCELERATOR="cuda" if args.device == "cuda" else "cpu")
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-        if lines:
-            res = json.loads(lines[-1][7:])
-        else:
-            res = {"error": f"exit {proc.returncode}", "stderr": proc.stderr[-4000:]}
+        res = run_child(cmd, env, args.section_timeout)
         res["section_wall_s"] = round(time.perf_counter() - t0, 1)
         report["sections"][name] = res
         out_path.write_text(json.dumps(report, indent=2, default=float) + "\n")
         print(f"[{name}] {json.dumps(res, default=float)[:400]}", flush=True)
     print_table(report)
+
+
+def run_child(cmd: list[str], env: dict, timeout_s: float) -> dict:
+    """Runs one section; echoes its PROGRESS lines as they come (a section cut short by the
+    device call's limit still says how far it got) and kills it after `timeout_s`."""
+    import threading
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    tail: list[str] = []
+
+    def pump_stderr() -> None:
+        for line in proc.stderr:
+            if line.startswith("PROGRESS "):
+                print("  " + line.rstrip(), flush=True)
+            tail.append(line)
+            del tail[:-60]
+
+    reader = threading.Thread(target=pump_stderr, daemon=True)
+    reader.start()
+    timer = threading.Timer(timeout_s, proc.kill)
+    timer.start()
+    stdout = proc.stdout.read()
+    proc.wait()
+    timer.cancel()
+    reader.join(timeout=5)
+    lines = [l for l in stdout.splitlines() if l.startswith("RESULT ")]
+    if lines:
+        return json.loads(lines[-1][7:])
+    return {"error": f"exit {proc.returncode}" + (" (section timeout)" if proc.returncode == -9
+                                                  else ""), "stderr": "".join(tail)[-4000:]}
+
+
+def progress(what: str, **numbers) -> None:
+    """A line the parent echoes while the section runs."""
+    print("PROGRESS " + what + " " + json.dumps(numbers, default=float), file=sys.stderr,
+          flush=True)
 
 
 def print_table(report: dict) -> None:

@@ -19,7 +19,7 @@ RESULTS, IMG = ROOT / "bench" / "results", ROOT / "docs" / "img"
 
 def gpu_throughput() -> None:
     sections = {}
-    for name in ("gpu-train.json", "gpu-ckpt.json"):
+    for name in ("gpu-train.json", "gpu-kernels.json", "gpu-ckpt.json"):
         path = RESULTS / name
         if path.exists():
             sections.update(json.loads(path.read_text())["sections"])

@@ -150,6 +150,20 @@ class CheckpointManager:
 
     # -- save ---------------------------------------------------------------------------------
 
+    def prepare(self, engine) -> int:
+        """On a GPU, starts pinning host memory for this rank's snapshots in the background, so
+        that even the first save blocks only for the copy. The size is an estimate: the module's
+        parameters, plus fp32 master weights and Adam's two moments of this rank's share of
+        them, +10%. Returns the bytes reserved (0 on CPU)."""
+        if self.device.type != "cuda":
+            return 0
+        params = list(engine.module.parameters())
+        numel = sum(p.numel() for p in params)
+        shard = numel // self.me.dp if self.cfg.parallel.zero_stage >= 1 else numel
+        nbytes = int((sum(p.numel() * p.element_size() for p in params) + 12 * shard) * 1.1)
+        self.snapshot.reserve_pinned(nbytes + (64 << 20))
+        return nbytes + (64 << 20)
+
     def save(self, engine, step: int, client_state: dict[str, Any], tokens_seen: int,
              data_position: dict[str, Any]) -> float:
         """Blocks only for the snapshot; returns the seconds training was blocked."""
