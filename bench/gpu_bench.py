@@ -269,7 +269,6 @@ def sec_ds3d(args, compile_: bool = False) -> dict:
 
 
 def sec_profile(args) -> dict:
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     cfg, device, layout, TrainStep = engine_stack(args)
@@ -318,7 +317,6 @@ def _dir_bytes(path: Path) -> int:
 def sec_checkpoint(args) -> dict:
     import shutil
 
-    import torch
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
     from ds3d.checkpoints.engine_io import CheckpointManager, Rank

@@ -145,6 +145,15 @@ def upload_rank_files(storage: Storage, step: int, rank: int, local_ckpt_dir: st
     return part
 
 
+class PartsMissing(CheckpointError):
+    """Some ranks' parts did not arrive within the commit timeout."""
+
+
+# A commit resumed by a new process waits at most this long for the other ranks' parts: when the
+# node that owed one is gone, the checkpoint is abandoned instead of holding up newer ones.
+RESUMED_COMMIT_TIMEOUT_S = 60.0
+
+
 def commit_checkpoint(storage: Storage, step: int, world_size: int, meta: CheckpointMeta,
                       timeout: float, poll_interval: float = 0.5) -> Manifest:
     """Waits (up to `timeout` s) for all parts, merges them, writes MANIFEST.json last and
@@ -158,7 +167,7 @@ def commit_checkpoint(storage: Storage, step: int, world_size: int, meta: Checkp
             break
         if time.monotonic() >= deadline:
             missing = sorted(want - have)
-            raise CheckpointError(
+            raise PartsMissing(
                 f"step {step}: only {len(have & want)} of {world_size} ranks uploaded their part "
                 f"within {timeout:.0f} s (missing ranks {missing[:16]}); the checkpoint stays "
                 "uncommitted")
@@ -231,6 +240,7 @@ class _Job:
     attempts: int = 0
     uploaded: bool = False
     retry_at: float = field(default=0.0)
+    resumed: bool = False  # found pending by a new process (resume_pending)
 
 
 class Uploader:
@@ -255,7 +265,8 @@ class Uploader:
         self._thread = threading.Thread(target=self._run, name=f"ds3d-upload-r{rank}", daemon=True)
         self._thread.start()
 
-    def submit(self, step: int, files: list[str], meta: CheckpointMeta) -> None:
+    def submit(self, step: int, files: list[str], meta: CheckpointMeta,
+               resumed: bool = False) -> None:
         """Queues a saved checkpoint (files relative to local_dir); returns at once."""
         with self._lock:
             if step in self._known:
@@ -263,7 +274,7 @@ class Uploader:
             self._known.add(step)
             self._busy += 1
         write_marker(self.local_dir, step, self.rank, "pending", files, meta)
-        self._queue.put(_Job(step, list(files), meta))
+        self._queue.put(_Job(step, list(files), meta, resumed=resumed))
 
     def resume_pending(self) -> list[int]:
         """Re-queues this rank's unfinished uploads found in the local markers (after a restart)."""
@@ -276,7 +287,7 @@ class Uploader:
             done = rec["state"] == "committed" or (rec["state"] == "uploaded" and not self.committer)
             if not done:
                 self.submit(int(rec["step"]), list(rec["files"]),
-                            CheckpointMeta.model_validate(rec["meta"]))
+                            CheckpointMeta.model_validate(rec["meta"]), resumed=True)
                 steps.append(int(rec["step"]))
         return steps
 
@@ -348,24 +359,28 @@ class Uploader:
                 write_marker(self.local_dir, job.step, self.rank, "uploaded", job.files, job.meta)
                 self._emit("uploaded", job, t0)
             if self.committer:
-                manifest = commit_checkpoint(self.storage, job.step, self.world_size, job.meta,
-                                             timeout=self.commit_timeout)
+                # the world that saved it: after a node was lost, this process's world is smaller
+                manifest = commit_checkpoint(
+                    self.storage, job.step, job.meta.layout.world_size, job.meta,
+                    timeout=min(self.commit_timeout, RESUMED_COMMIT_TIMEOUT_S) if job.resumed
+                    else self.commit_timeout)
                 save_local_manifest(self.local_dir, manifest)
                 write_marker(self.local_dir, job.step, self.rank, "committed", job.files, job.meta)
                 self._emit("committed", job, t0)
             with self._lock:
                 self._known.discard(job.step)
+        except PartsMissing as e:
+            if not job.resumed:
+                self._retry_later(job, t0, e)
+            else:  # the rank that owed a part died with its process: superseded by newer ones
+                write_marker(self.local_dir, job.step, self.rank, "failed", job.files, job.meta,
+                             error=f"abandoned: {e}")
+                with self._lock:
+                    self._known.discard(job.step)
+                log.warning("checkpoint_commit_abandoned", step=job.step, detail=str(e))
+                self._emit("failed", job, t0, f"abandoned: {e}")
         except Ds3dError as e:
-            # Terminal and retryable errors alike: the local copy is kept, and a later attempt
-            # may succeed once the store or the other ranks are back.
-            write_marker(self.local_dir, job.step, self.rank, "failed", job.files, job.meta,
-                         error=str(e))
-            job.retry_at = time.monotonic() + self.retry_interval
-            with self._lock:
-                self._failed[job.step] = job
-            log.warning("checkpoint_upload_failed", step=job.step, rank=self.rank,
-                        attempt=job.attempts, cause=type(e).__name__, detail=str(e))
-            self._emit("failed", job, t0, str(e))
+            self._retry_later(job, t0, e)
         except OSError as e:
             # The local files are gone or unreadable: nothing left to upload from.
             write_marker(self.local_dir, job.step, self.rank, "failed", job.files, job.meta,
@@ -389,6 +404,18 @@ class Uploader:
             with self._idle:
                 self._busy -= 1
                 self._idle.notify_all()
+
+    def _retry_later(self, job: _Job, t0: float, e: Ds3dError) -> None:
+        """Terminal and retryable errors alike: the local copy is kept, and a later attempt
+        may succeed once the store or the other ranks are back."""
+        write_marker(self.local_dir, job.step, self.rank, "failed", job.files, job.meta,
+                     error=str(e))
+        job.retry_at = time.monotonic() + self.retry_interval
+        with self._lock:
+            self._failed[job.step] = job
+        log.warning("checkpoint_upload_failed", step=job.step, rank=self.rank,
+                    attempt=job.attempts, cause=type(e).__name__, detail=str(e))
+        self._emit("failed", job, t0, str(e))
 
     def _abort_journaled(self, step: int) -> None:
         """An abandoned checkpoint's unfinished multipart uploads would cost storage forever."""

@@ -7,13 +7,14 @@
         logs/                    agent.log, rendezvous.log, attempt-N/... worker stdout/stderr
         control/command.json     daemon -> workers, written as tmp + rename:
                                  {"id": n (increasing), "action": "save"|"pause"|"stop"|"stop_now"
-                                  |"profile"|"repartition", "time": unix s, ...}; repartition
-                                  carries "boundaries" (ds3dctl rebalance)
+                                  |"profile"|"repartition"|"restart", "time": unix s, ...};
+                                  repartition carries "boundaries" (ds3dctl rebalance); restart
+                                  = checkpoint and exit for a relaunch (a lost node is back)
         partition.json           the decided pipeline stage boundaries (trainer/partition.py),
                                  written by the workers, read at every start
         control/restore.json     daemon -> workers before a rollback: {"step": n, "id": n}
         control/inject.json      daemon -> workers, drills only (ds3dd --enable-fault-injection):
-                                 {"id": n, "kind": "nan"|"hang"|"crash"|"slow", "rank": r,
+                                 {"id": n, "kind": "nan"|"hang"|"crash"|"slow"|"spike", "rank": r,
                                   "at_step": s, "time": unix s}
         reports/nodes/<node>/rank-XXXXX.jsonl  head node only: copies of the records written on
                                  the other nodes of a multi-node job (pulled by peer RPC)
@@ -34,11 +35,11 @@ from ds3d.trainer.config import JOB_NAME_RE
 from ds3d.trainer.errors import ConfigError
 from ds3d.trainer.fileio import atomic_write_text
 
-ACTIONS = ("save", "pause", "stop", "stop_now", "profile", "repartition")
+ACTIONS = ("save", "pause", "stop", "stop_now", "profile", "repartition", "restart")
 # Control files the head copies to the other nodes of a multi-node job: rank 0 (which reads
 # commands) and the rank named by an injection may run on any node.
 CONTROL_FILES = ("command.json", "restore.json", "inject.json")
-INJECT_KINDS = ("nan", "hang", "crash", "slow")
+INJECT_KINDS = ("nan", "hang", "crash", "slow", "spike")
 
 
 class JobDir:

@@ -11,14 +11,16 @@ peer address is refused before a byte is sent.
 agent, the head copies control files into it (ShareControl: rank 0, which reads commands, may
 land on any node) and pulls its report records (PullReports) so that the head sees every rank.
 Running agents live in memory only (after a restart of this daemon the head re-issues StartShare
-on its next relaunch); the share's folder stays, so this node still knows which daemon heads the
-job and forwards job requests there (api.py).
+on its next relaunch; an elastic job running short of nodes is relaunched as soon as the node
+answers again: ReturningNodes); the share's folder stays, so this node still knows which daemon
+heads the job and forwards job requests there (api.py).
 """
 
 from __future__ import annotations
 
 import re
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -146,15 +148,50 @@ class PeerClient:
         finally:
             channel.close()
 
-    def status(self, address: str) -> pb.NodeStatusResponse:
+    def status(self, address: str, timeout_s: float | None = None) -> pb.NodeStatusResponse:
         channel, stub = self._stub(address)
         try:
-            return stub.NodeStatus(pb.NodeStatusRequest(), timeout=self.timeout_s,
+            return stub.NodeStatus(pb.NodeStatusRequest(), timeout=timeout_s or self.timeout_s,
                                    metadata=self._md())
         except grpc.RpcError as e:
             raise PeerError(f"node {address}: NodeStatus failed: {e.code().name}") from None
         finally:
             channel.close()
+
+
+class ReturningNodes:
+    """The nodes of a job that answer again without a live share of it: a lost node's daemon
+    came back (restarted, or a fresh one at the same address). The head takes them back so
+    that an elastic job grows back (supervisor: _welcome_back). Asked at most every `every_s`,
+    with a short timeout (a dead address must not stall the supervisor's tick); a node taken
+    back is not asked again for `offered_wait_s` (its new agent needs time to start)."""
+
+    def __init__(self, peers: PeerClient, every_s: float = 2.0, offered_wait_s: float = 60.0,
+                 timeout_s: float = 2.0) -> None:
+        self.peers = peers
+        self.every_s, self.offered_wait_s, self.timeout_s = every_s, offered_wait_s, timeout_s
+        self._next_poll = 0.0
+        self._offered: dict[str, float] = {}  # address -> monotonic time of the offer
+
+    def poll(self, name: str, addresses: list[str]) -> list[str]:
+        now = time.monotonic()
+        if now < self._next_poll:
+            return []
+        self._next_poll = now + self.every_s
+        back = []
+        for address in addresses:
+            if now - self._offered.get(address, -1e9) < self.offered_wait_s:
+                continue
+            try:
+                status = self.peers.status(address, timeout_s=self.timeout_s)
+            except PeerError:
+                continue  # still gone
+            if not any(sh.job == name and sh.agent_alive for sh in status.shares):
+                back.append(address)
+        return back
+
+    def offered(self, address: str) -> None:
+        self._offered[address] = time.monotonic()
 
 
 class Shares:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from ds3d.trainer.config import JobConfig
 from ds3d.trainer.errors import Ds3dError
+from ds3d.trainer.oom import CgroupMemory
 from ds3d.v1 import control_pb2 as pb
 
 from .detectors import AgentExitDetector, Detector, Fault, HangDetector
@@ -36,7 +37,8 @@ from .jobdir import JobDir
 from .launcher import AgentHandle, Launcher, kill_strays
 from .logging import get_logger
 from .metrics import Metrics
-from .peers import REPORT_FILE_RE, PeerClient, PeerError
+from .oom import OomDetector
+from .peers import REPORT_FILE_RE, PeerClient, PeerError, ReturningNodes
 from .policies import RestartPolicy
 from .procs import ProcessRef
 from .rendezvous import start_store
@@ -76,9 +78,11 @@ class JobSupervisor:
         local = self._config(self.store.get_job(name)).checkpoint.local_dir
         self.tail = ReportTail(ctx.store, self.jobdir, Path(local) if local else None)
         self.analysis = StepAnalysis()
+        # OOM before agent exit: a worker that ran out of memory also ends its agent, and the
+        # diagnosis (with its own restart policy) must win over the generic "agent exited"
         self.detectors: list[Detector] = ctx.detectors or [
-            HangDetector(min_timeout_s=ctx.hang_min_timeout_s), AgentExitDetector(),
-            self.analysis]
+            HangDetector(min_timeout_s=ctx.hang_min_timeout_s), self._oom_detector(name),
+            AgentExitDetector(), self.analysis]
         self.log = get_logger("ds3d.supervisor", job=name)
         self.wake = threading.Event()
         self.agent: AgentHandle | None = None
@@ -86,6 +90,7 @@ class JobSupervisor:
         self._unsent: dict[tuple[str, str], str] = {}  # (node address, file) -> text to copy
         self._peer_backoff: dict[str, float] = {}      # node address -> monotonic retry time
         self._peer_wait_since: float | None = None
+        self._returning = ReturningNodes(ctx.peers) if ctx.peers is not None else None
         job = self.store.get_job(name)
         self._goodput = Goodput()
         self._world = job.world_size  # processes of the running group; 0 before the first start
@@ -93,6 +98,12 @@ class JobSupervisor:
             self.agent = Launcher.attach(self.jobdir.path, job.attempt, job.agent_pid,
                                          job.agent_started)
             self.log.info("reattached", pid=job.agent_pid, alive=self.agent.poll() is None)
+
+    def _oom_detector(self, name: str) -> OomDetector:
+        """Remembers the steps that ran out of memory before (a daemon restart keeps the
+        once-then-fail policy) and watches this daemon's memory cgroup for OOM kills."""
+        before = [e.detail.get("step", e.step) for e in self.store.events(job=name, kinds=["oom"])]
+        return OomDetector(before, CgroupMemory.of_self())
 
     # ---- loop --------------------------------------------------------------------------------
 
@@ -120,6 +131,7 @@ class JobSupervisor:
         faults = [f for d in self.detectors if (f := d.check(job, obs, agent_exit)) is not None]
         self._decide_and_act(job, obs, agent_exit, faults)
         job = self.store.get_job(self.name)
+        self._welcome_back(job)
         self._export(job, obs)
         if job.state in TERMINAL:
             self._cleanup(job)
@@ -182,6 +194,12 @@ class JobSupervisor:
                          f"partition from the checkpoint of step {job.step} (planned, not a "
                          f"fault)", cause="repartition", agent_pid=0, agent_started=0,
                          done_reason="", next_launch_at=0)
+                return
+            if job.done_reason == "restart":  # _welcome_back: a lost node answers again
+                self._to(JobState.RECOVERING, f"relaunching on all nodes from the checkpoint of "
+                         f"step {job.step}: a lost node is back (planned, not a fault)",
+                         cause="node_back", agent_pid=0, agent_started=0, done_reason="",
+                         next_launch_at=0)
                 return
             end = {"completed": JobState.COMPLETED, "paused": JobState.PAUSED,
                    "stopped": JobState.STOPPED}.get(job.done_reason, JobState.FAILED)
@@ -355,6 +373,48 @@ class JobSupervisor:
         if stray:
             self.log.warning("ended stray workers", pids=stray)
 
+    # ---- a lost node returns ----------------------------------------------------------------
+
+    def _welcome_back(self, job: Job) -> None:
+        """An elastic job running on fewer processes than configured: a lost node whose daemon
+        answers again is taken back at a planned restart point. The workers get a `restart`
+        command: they checkpoint at the next step, wait for its commit and exit; the agents end
+        with them, and the head relaunches the job (done reason `restart`: not counted as a
+        fault), which starts every node's share again. The new group forms on all nodes and
+        restores that checkpoint reshaped to the larger DP: no step is lost. The change is
+        recorded by _note_world_change (`node_joined`, DP old -> new) when its rank 0 starts.
+
+        Why not let the returning agent join the running rendezvous as a waiting node (torch
+        elastic restarts on num_nodes_waiting > 0)? After the survivors had re-rendezvoused
+        without the lost node their keep-alive heartbeats were seen to stop (torch 2.x c10d
+        handler): the joining node dropped them as dead and waited alone in a round of its
+        own. A fresh attempt (new run id) has no such state, and ending the workers by command
+        leaves no checkpoint half uploaded."""
+        if job.state is not JobState.RUNNING or job.desired_state is not JobState.RUNNING or \
+                job.rollback_step >= 0 or self._returning is None or not self._world:
+            return
+        cfg = self._config(job)
+        if not cfg.elastic or self._world >= cfg.parallel.world_size:
+            return
+        pending = job.command_acked < job.command_id
+        if pending and job.command_action == "restart":
+            return  # ours, under way
+        back = self._returning.poll(self.name, self._peer_addresses(job))
+        if not back:
+            return
+        if pending:  # another command first, unless the workers never acknowledged it
+            cmd = self.jobdir.command()
+            if cmd is None or time.time() - float(cmd.get("time", 0)) < REJOIN_COMMAND_WAIT_S:
+                return
+        for address in back:
+            self._returning.offered(address)
+            self._peer_backoff.pop(address, None)
+        cid = job.command_id + 1
+        self.store.record(self.name, "command", f"node(s) {', '.join(back)} back: checkpoint, "
+                          f"then relaunch on all nodes", command_id=cid, command_action="restart",
+                          detail={"id": cid, "action": "restart", "time": time.time()})
+        self.wake.set()  # deliver the command on the next tick
+
     # ---- other nodes of a multi-node job ----------------------------------------------------
 
     def _peer_addresses(self, job: Job | None = None) -> list[str]:
@@ -527,6 +587,9 @@ class JobSupervisor:
         return JobConfig.model_validate_json(job.config_json)
 
 
+REJOIN_COMMAND_WAIT_S = 60.0  # a command the workers never acknowledge does not block a rejoin
+
+
 class Goodput:
     """Useful training time over wall time while the job should be training, since this
     daemon began supervising it: useful = new steps (re-trained ones are not new) x the median
@@ -603,6 +666,11 @@ class Supervisors:
         sup = self._sups.get(name)
         if sup is not None:
             sup.wake.set()
+
+    def analysis(self, name: str) -> StepAnalysis | None:
+        """The job's step-time analysis as this daemon saw it (kept after the job ends)."""
+        sup = self._sups.get(name)
+        return sup.analysis if sup is not None else None
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Daemon shutdown: supervision stops, the agents keep running (reattached on start)."""

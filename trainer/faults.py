@@ -6,8 +6,8 @@ one rank becomes the same rollback on all ranks (a rank-0-only decision once let
 bad gradients through).
 
 Injection ("chaos drills") is requested by the daemon through `control/inject.json`
-{"id", "kind": nan|hang|crash|slow, "rank", "at_step"} and only works when the daemon runs with
---enable-fault-injection (the daemon refuses to write the file otherwise). A fault fires once:
+{"id", "kind": nan|hang|crash|slow|spike, "rank", "at_step"} and only works when the daemon runs
+with --enable-fault-injection (the daemon refuses to write the file otherwise). A fault fires once:
 before acting, the target rank records `control/inject-done-<id>`, so a restarted worker does not
 crash again at the same step.
 """
@@ -15,6 +15,7 @@ crash again at the same step.
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import time
@@ -35,18 +36,20 @@ class SpikeDetector:
         self.cfg = cfg
         self.history: deque[float] = deque(maxlen=cfg.spike_window)
         self.run = 0
+        self.median = self.threshold = math.nan  # of the last judged loss (for the report)
 
     def observe(self, loss: float) -> bool:
-        spike = False
+        spike = above = False
         if len(self.history) >= min(self.cfg.spike_window, 10):
             med = statistics.median(self.history)
             mad = statistics.median(abs(x - med) for x in self.history) or 1e-8
-            above = loss > med + self.cfg.spike_mads * mad
+            self.median, self.threshold = med, med + self.cfg.spike_mads * mad
+            above = loss > self.threshold
             self.run = self.run + 1 if above else 0
             spike = self.run >= self.cfg.spike_patience
-        if not spike:
-            self.history.append(loss)  # spikes do not raise the baseline they are judged by
-        return spike
+        if not above:
+            self.history.append(loss)  # a spike (even before it is declared) does not raise
+        return spike                   # the baseline it is judged by
 
     def reset(self) -> None:
         self.history.clear()
@@ -72,11 +75,13 @@ class RollbackBudget:
 class FaultInjector:
     """Acts on the daemon's injected fault for this rank (rehearsals only)."""
 
-    def __init__(self, run_dir: Path, rank: int, emit=None) -> None:
+    def __init__(self, run_dir: Path, rank: int, emit=None, spike_steps: int = 3) -> None:
         self.control = run_dir / "control"
         self.rank = rank
         self.emit = emit or (lambda *a, **k: None)
         self.slow = False
+        self.spike_steps = spike_steps  # the detector's patience: a spike it must act on
+        self._spike: tuple[object, int] | None = None  # (hook handle, spiked steps left)
         self._mtime = 0.0
         self._pending: dict | None = None
 
@@ -100,6 +105,7 @@ class FaultInjector:
     def before_step(self, step: int, model: torch.nn.Module) -> str | None:
         """Called before training step `step` (1-based number of the step about to finish);
         returns the kind of fault injected now, if any."""
+        self._spike_countdown()
         req = self._poll()
         if req is None or int(req.get("at_step", step)) > step:
             return None
@@ -118,10 +124,26 @@ class FaultInjector:
             _slow_down_forward(model, SLOW_FORWARD_S)
         elif kind == "nan":
             _poison_next_forward(model)
+        elif kind == "spike" and self._spike is None:
+            self._spike = (_scale_last_layer(model, SPIKE_FACTOR), self.spike_steps)
+            self._spike_countdown()
         return kind
+
+    def _spike_countdown(self) -> None:
+        """Counts the spiked steps in training order (a rollback does not bring them back):
+        the spike ends after `spike_steps` steps, as a bad data window would."""
+        if self._spike is None:
+            return
+        handle, left = self._spike
+        if left <= 0:
+            handle.remove()  # type: ignore[attr-defined]
+            self._spike = None
+        else:
+            self._spike = (handle, left - 1)
 
 
 SLOW_FORWARD_S = 0.1  # per micro-batch: a straggler is slow where it computes, not between steps
+SPIKE_FACTOR = 50.0  # logits x 50: an over-confident model whose loss jumps several-fold
 
 
 def _slow_down_forward(model: torch.nn.Module, seconds: float) -> None:
@@ -144,3 +166,14 @@ def _poison_next_forward(model: torch.nn.Module) -> None:
         return output * float("nan") if torch.is_floating_point(output) else output
 
     handle = first.register_forward_hook(hook)
+
+
+def _scale_last_layer(model: torch.nn.Module, factor: float):
+    """Every forward output of this rank's last layer is multiplied by `factor` until the
+    returned hook handle is removed. On a last-stage rank that layer is the head: the logits
+    grow, so the computed loss (and its gradients) really jump; the detector sees that loss."""
+    layers = getattr(model, "forward_funcs", None) or list(model.children()) or [model]
+    last = next(layer for layer in reversed(layers) if isinstance(layer, torch.nn.Module))
+    return last.register_forward_hook(
+        lambda _module, _inputs, output: output * factor if torch.is_floating_point(output)
+        else output)

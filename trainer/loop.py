@@ -33,7 +33,8 @@ from .report import Reporter
 
 log = structlog.get_logger()
 
-ACTIONS = {"save": 1, "pause": 2, "stop": 3, "stop_now": 4, "profile": 5, "repartition": 6}
+ACTIONS = {"save": 1, "pause": 2, "stop": 3, "stop_now": 4, "profile": 5, "repartition": 6,
+           "restart": 7}
 ACTION_NAMES = {v: k for k, v in ACTIONS.items()}
 
 
@@ -66,7 +67,8 @@ class Trainer:
         self.stop_at_step = stop_at_step
         self.step, self.tokens_seen, self.saved_step = 0, 0, -1
         self.reporter.emit("heartbeat", step=0, phase="init")
-        self.injector = FaultInjector(run_dir, env.rank, self.reporter.emit)
+        self.injector = FaultInjector(run_dir, env.rank, self.reporter.emit,
+                                      spike_steps=cfg.faults.spike_patience)
         self.spikes, self.budget = SpikeDetector(cfg.faults), RollbackBudget(cfg.faults)
         self.fp16_skips = 0
         self.ckpt = CheckpointManager(
@@ -86,6 +88,7 @@ class Trainer:
             auto=cfg.parallel.partition_method == "measured" and not self.partition.detail)
         if plan is not None:
             self._load(plan, rollback)
+        self.ckpt.prepare(self.step_fn.engine)  # GPU: pin the snapshot memory while training
         self.tb = TensorBoardLog(cfg, run_dir, device, env.world_size, self.step_fn.plan.global_batch,
                                  env.restart_count) if env.rank == 0 else None
         if self.tb is not None:
@@ -174,7 +177,18 @@ class Trainer:
         f, failed = self.cfg.faults, self.step
         policy = f.nan_policy if cause == "nan" else f.spike_policy
         detail = f"loss={r.loss} grad_norm={r.grad_norm} loss_scale={r.loss_scale}"
-        self.reporter.emit("fault", cause=cause, step=failed, detail=detail, policy=policy)
+        # a spike is judged over its last `spike_patience` steps: all of them are suspect
+        suspect = f.spike_patience if cause == "spike" else 1
+        extra = {}
+        if cause == "spike":
+            sd = self.spikes
+            detail = (f"loss {r.loss:.4g} above the running median {sd.median:.4g} + "
+                      f"{f.spike_mads:g} MADs = {sd.threshold:.4g} for {suspect} steps in a row "
+                      f"(steps {failed - suspect + 1}-{failed}); {detail}")
+            extra = {"loss": r.loss, "median": sd.median, "threshold": sd.threshold,
+                     "first_step": failed - suspect + 1}
+        self.reporter.emit("fault", cause=cause, step=failed, detail=detail, policy=policy,
+                           **extra)
         if policy == "alert":
             return None
         if policy == "pause" or not self.budget.allow(failed):
@@ -183,10 +197,15 @@ class Trainer:
             self.reporter.emit("fault", cause="rollback_budget" if policy != "pause" else cause,
                                step=failed, detail=f"pausing the job ({why}); last good "
                                f"checkpoint is kept, bad weights are not saved")
+            if suspect > 1:
+                self._drop_suspect_checkpoints(failed - suspect)
             self.saved_step = self.step  # never checkpoint the bad weights
             return "paused"
         t0 = time.perf_counter()
-        self.ckpt.snapshot.wait()
+        # the newest checkpoint may still be uploading (a GPU step can be shorter than an
+        # upload): let it commit, so the rollback loses the fewest steps and every rank sees it
+        self.ckpt.wait_uploads(timeout=600.0)
+        dropped = self._drop_suspect_checkpoints(failed - suspect) if suspect > 1 else []
         plan = self.ckpt.plan_restore()
         if plan is None:
             self.reporter.emit("fault", cause="no_checkpoint", step=failed,
@@ -195,7 +214,7 @@ class Trainer:
             return "paused"
         bad_batch = batch_index(failed - 1, self.cfg.data.skip_batches)
         first_batch = batch_index(plan.step, self.cfg.data.skip_batches)
-        window = (max(first_batch, bad_batch - f.skip_batches + 1), bad_batch + 1)
+        window = (max(first_batch, bad_batch - max(f.skip_batches, suspect) + 1), bad_batch + 1)
         if f.skip_batches:
             self.cfg.data.skip_batches = sorted(set(self.cfg.data.skip_batches) | {window})
         self.ckpt.load(self.step_fn.engine, plan)
@@ -209,10 +228,22 @@ class Trainer:
             self.tb.scalar(f"faults/rollback_{cause}", 1, failed)
         self.reporter.emit("recovery", cause=cause, step=failed, recovered_to=plan.step,
                            steps_lost=failed - plan.step, skipped_batches=list(window),
+                           **({"dropped_checkpoints": dropped} if dropped else {}),
                            seconds=round(time.perf_counter() - t0, 3))
         log.warning("rolled back", cause=cause, failed_step=failed, to_step=plan.step,
                     skipped_batches=window)
         return None
+
+    def _drop_suspect_checkpoints(self, last_good: int) -> list[int]:
+        """Collective: checkpoints saved after `last_good` hold weights trained on the suspect
+        steps (a spike is only declared `spike_patience` steps after it began); they are deleted
+        so that neither this rollback nor a later restart restores them. Every rank's uploads
+        are finished first, so no shard of them lands after the delete."""
+        self.ckpt.wait_uploads(timeout=600.0)
+        dist.barrier()
+        dropped = self.ckpt.drop_newer_than(last_good)
+        dist.barrier()
+        return dropped
 
     def _report_step(self, r: StepResult) -> None:
         tps = self.step_fn.tokens_per_step / r.seconds if r.seconds > 0 else 0.0
@@ -249,13 +280,15 @@ class Trainer:
                 status = "refused"
             else:
                 self.tuner.commit(parts, "rebalance", self.step, "applied")
-        if name in ("save", "pause", "stop") or parts is not None:
+        if name in ("save", "pause", "stop", "restart") or parts is not None:
             self.save()
         self.reporter.emit("command", id=cid, action=name, status=status, step=self.step,
                            **({"detail": detail} if detail else {}))
         if parts is not None:
             return "repartition"
-        return {"pause": "paused", "stop": "stopped", "stop_now": "stopped"}.get(name)
+        # restart: checkpoint and exit, the daemon relaunches on all nodes (a lost node is back)
+        return {"pause": "paused", "stop": "stopped", "stop_now": "stopped",
+                "restart": "restart"}.get(name)
 
     def run(self) -> str:
         """Trains to the configured step count; returns why it ended."""

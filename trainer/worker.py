@@ -7,7 +7,8 @@ without the daemon). The rank, world size and restart count come from the elasti
 environment (RANK, WORLD_SIZE, LOCAL_RANK, TORCHELASTIC_RESTART_COUNT).
 
 Exit codes: 0 = the job ended as asked (completed, paused, stopped); 2 = configuration refused
-(restarting would not help); anything else is a crash the agent may restart.
+(restarting would not help); 12 = out of memory (an `oom` fault record with the evidence was
+written first, trainer/oom.py); anything else is a crash the agent may restart.
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
 def _train(cfg: JobConfig, run_dir: Path, env, stop_at_step: int | None) -> int:
     from .layout import ParallelLayout, init_distributed, pick_device
     from .loop import Trainer
+    from .oom import exit_now, is_oom, oom_evidence, report_oom
+    from .report import Reporter
 
     import torch
 
@@ -81,14 +84,29 @@ def _train(cfg: JobConfig, run_dir: Path, env, stop_at_step: int | None) -> int:
         "DS3D_COLLECTIVE_TIMEOUT_S", 300))))
     cfg = cfg.at_world_size(env.world_size)  # an elastic job after losing or regaining nodes
     layout = ParallelLayout(cfg, env)
-    trainer = Trainer(cfg, run_dir, env, layout, device, stop_at_step)
+    trainer: Trainer | None = None
     try:
-        trainer.run()
-    finally:
-        trainer.close()
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-    return 0
+        trainer = Trainer(cfg, run_dir, env, layout, device, stop_at_step)
+        try:
+            trainer.run()
+        finally:
+            trainer.close()
+    except (RuntimeError, MemoryError) as e:
+        if not is_oom(e):
+            raise
+        last = trainer.step if trainer is not None else None  # None: still building
+        evidence = oom_evidence(e, cfg, device, last, layout)
+        evidence["run_id"] = env.run_id  # one incident per group incarnation (daemon/oom.py)
+    else:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+        return 0
+    # outside the except block: the failed step's frames (and their tensors) are released
+    reporter = Reporter(run_dir, env.rank, env.restart_count)
+    code = report_oom(evidence, reporter.emit, env.rank)
+    reporter.close()
+    exit_now(code)  # no teardown: the other ranks wait in a collective with this one
+    return code
 
 
 if __name__ == "__main__":

@@ -202,6 +202,53 @@ def test_nan_rolls_back_through_the_daemon(daemon, reference):
     assert got[AT_STEP] != pytest.approx(reference[AT_STEP], rel=1e-6)  # other data now
 
 
+# a short window (training is only 12 steps), and 20 MADs: the injected loss is ~3x the median,
+# while the noise of a falling loss must never look like a spike
+SPIKE_SETS = ["--set", "faults.spike_policy=rollback", "--set", "faults.spike_window=5",
+              "--set", "faults.spike_mads=20"]
+PATIENCE = 3  # faults.spike_patience (default): steps above the threshold before acting
+
+
+@pytest.mark.timeout(900)
+def test_loss_spike_rolls_back_past_it_and_skips_its_window(daemon):
+    """Rank 3 (last stage: its head's logits x50 from AT_STEP for 3 steps) makes the computed
+    loss jump. The detector (median of 5 steps + 20 MADs, 3 steps in a row) fires on the third
+    spiked step on every rank; the checkpoint saved in the middle of the spike is deleted, the
+    job rolls back to the one before it and skips the spike's 3 batches. It completes, and
+    every step's loss equals a run that skipped the same window from the start."""
+    name, last = "spike", AT_STEP + PATIENCE - 1
+    start(daemon, name, *SPIKE_SETS)
+    run_dir = inject_when_running(daemon, name, "spike", rank=3)
+    job = daemon.wait_state(name, "COMPLETED", "FAILED", timeout_s=600)
+    assert job["state"] == "COMPLETED", logs(daemon, name)
+    evs = events(daemon, name)
+    spikes = [e for e in evs if e["kind"] == "fault" and e["cause"] == "spike"]
+    assert sorted(e["rank"] for e in spikes) == [0, 1, 2, 3]  # every rank agreed on it
+    assert {e["step"] for e in spikes} == {last}, [e["message"] for e in spikes]
+    seen = spikes[0]["detail"]
+    assert seen["first_step"] == AT_STEP and seen["loss"] > seen["threshold"] > seen["median"]
+    assert f"above the running median {seen['median']:.4g}" in spikes[0]["message"]
+    # the loss the workers computed really jumped on each spiked step (first timeline)
+    first = {}
+    for r in records(run_dir, 0, "step"):
+        first.setdefault(r["step"], r["loss"])
+    assert all(first[s] > seen["threshold"] for s in range(AT_STEP, last + 1)), first
+
+    rec = records(run_dir, 0, "recovery")
+    assert len(rec) == 1 and rec[0]["cause"] == "spike", rec
+    assert rec[0]["recovered_to"] < AT_STEP  # before the spike, not the checkpoint inside it
+    assert rec[0]["dropped_checkpoints"] == [s for s in range(AT_STEP, last) if s % 2 == 0]
+    window = rec[0]["skipped_batches"]
+    assert window == [AT_STEP - 1, last]  # batches AT_STEP-1 .. last-1 fed steps AT_STEP..last
+
+    start(daemon, "spike-ref", *SPIKE_SETS, "--set", f"data.skip_batches=[{window}]")
+    ref = daemon.wait_state("spike-ref", "COMPLETED", "FAILED", timeout_s=600)
+    assert ref["state"] == "COMPLETED", logs(daemon, "spike-ref")
+    assert not records(Path(ref["run_dir"]), 0, "fault")  # no spike without the injection
+    want = losses(Path(ref["run_dir"]))
+    assert_same_losses(run_dir, want)
+
+
 @pytest.mark.timeout(600)
 def test_config_refused_by_the_workers_fails_at_once(daemon, tmp_path):
     """A data file that exists (the daemon's start checks pass) but holds fewer tokens than one

@@ -12,20 +12,17 @@ import time
 
 import psutil
 import pytest
-from test_daemon_support import DaemonProc, kill_job_processes
+from test_daemon_support import DaemonProc
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 
 @pytest.fixture
 def daemon(tmp_path):
-    d = DaemonProc(tmp_path / "state", worker_dir=tmp_path / "worker",
-                   extra_env={"FAKE_STEP_S": "0.25", "FAKE_CRASH_AT_STEP": "3"},
-                   args=["--hang-timeout", "60"])
-    d.start()
-    yield d
-    d.stop()
-    kill_job_processes(d.state_dir)
+    with DaemonProc(tmp_path / "state", worker_dir=tmp_path / "worker",
+                    extra_env={"FAKE_STEP_S": "0.25", "FAKE_CRASH_AT_STEP": "3"},
+                    args=["--hang-timeout", "60"]) as d:
+        yield d
 
 
 def test_run_to_completion(daemon):

@@ -142,6 +142,14 @@ class DaemonProc:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(10)
 
+    def __enter__(self) -> "DaemonProc":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        """Stops the daemon and ends every process its jobs left (agents, rendezvous)."""
+        self.stop()
+        kill_job_processes(self.state_dir)
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()

@@ -22,7 +22,7 @@ import re
 
 import pytest
 from support import losses, records, torchrun
-from test_daemon_support import DaemonProc, kill_job_processes
+from test_daemon_support import DaemonProc
 
 from ds3d.trainer.config import build_job_config
 from ds3d.trainer.partition import method_boundaries, write_partition_file
@@ -84,11 +84,8 @@ def test_measured_partition_restarts_on_the_measured_split(tmp_path):
 
 @pytest.fixture
 def daemon(tmp_path):
-    d = DaemonProc(tmp_path / "state", args=["--hang-timeout", "300"])
-    d.start()
-    yield d
-    d.stop()
-    kill_job_processes(d.state_dir)
+    with DaemonProc(tmp_path / "state", args=["--hang-timeout", "300"]) as d:
+        yield d
 
 
 @pytest.mark.timeout(600)

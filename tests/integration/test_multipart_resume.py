@@ -119,6 +119,14 @@ def fail_midway(storage: S3Storage, src: Path, journal: Path | None) -> PartCoun
     return counter
 
 
+def resume(restarted: S3Storage, src: Path, journal: Path) -> tuple[list[int], list[dict]]:
+    """The next process's upload of `src` with the journal: (part numbers it sent, its log)."""
+    counter = PartCounter(restarted)
+    with structlog.testing.capture_logs() as logs, restarted.upload_journal(journal):
+        restarted.put_file(src, KEY)
+    return counter.sent, logs
+
+
 def test_retry_after_outage_sends_only_missing_parts(make_storage: Any, tmp_path: Path) -> None:
     storage = make_storage(**RIDE_OUT)
     data = big_file(tmp_path / "shard.pt")
@@ -142,11 +150,9 @@ def test_next_process_resumes_from_the_journal(make_storage: Any, tmp_path: Path
     (rec,) = UploadJournal(journal).records().values()  # survives the process
 
     restarted = make_storage(**RIDE_OUT)  # a new process: new client, nothing in memory
-    counter = PartCounter(restarted)
-    with structlog.testing.capture_logs() as logs, restarted.upload_journal(journal):
-        restarted.put_file(src, KEY)
-    assert sorted(counter.sent) == [3, 4, 5]
-    assert Counter(first.sent + counter.sent) == Counter(range(1, PARTS + 1))
+    sent, logs = resume(restarted, src, journal)
+    assert sorted(sent) == [3, 4, 5]
+    assert Counter(first.sent + sent) == Counter(range(1, PARTS + 1))
     assert [(e["upload_id"], e["kept"]) for e in logs if e["event"] == "multipart_resumed"] == [
         (rec["upload_id"], 2)]
     assert restarted.get_bytes(KEY) == data
@@ -175,12 +181,10 @@ def test_upload_unknown_to_the_server_starts_over(make_storage: Any, tmp_path: P
     restarted = make_storage(**RIDE_OUT)
     restarted.client.abort_multipart_upload(  # e.g. a lifecycle rule expired it
         Bucket=restarted.bucket, Key=restarted.prefix + KEY, UploadId=rec["upload_id"])
-    counter = PartCounter(restarted)
-    with structlog.testing.capture_logs() as logs, restarted.upload_journal(journal):
-        restarted.put_file(src, KEY)
+    sent, logs = resume(restarted, src, journal)
     assert [e["upload_id"] for e in logs if e["event"] == "multipart_restarted"] == [
         rec["upload_id"]]
-    assert sorted(counter.sent) == list(range(1, PARTS + 1))
+    assert sorted(sent) == list(range(1, PARTS + 1))
     assert restarted.get_bytes(KEY) == data
     assert not journal.exists()
     assert_no_unfinished(restarted)
@@ -193,12 +197,10 @@ def test_changed_local_file_aborts_the_old_upload(make_storage: Any, tmp_path: P
     (rec,) = UploadJournal(journal).records().values()
     data = big_file(src, SIZE + 1000)  # saved again: other bytes, other size
     restarted = make_storage(**RIDE_OUT)
-    counter = PartCounter(restarted)
-    with structlog.testing.capture_logs() as logs, restarted.upload_journal(journal):
-        restarted.put_file(src, KEY)
+    sent, logs = resume(restarted, src, journal)
     assert [e["upload_id"] for e in logs if e["event"] == "multipart_aborted"] == [
         rec["upload_id"]]
-    assert sorted(counter.sent) == list(range(1, PARTS + 1))
+    assert sorted(sent) == list(range(1, PARTS + 1))
     assert restarted.get_bytes(KEY) == data
     assert_no_unfinished(restarted)
 
@@ -219,12 +221,10 @@ def test_parts_not_listable_starts_over(make_s3_storage: Any, aws_env: None,
         return paginator(name)
 
     restarted.client.get_paginator = deny_list_parts
-    counter = PartCounter(restarted)
-    with structlog.testing.capture_logs() as logs, restarted.upload_journal(journal):
-        restarted.put_file(src, KEY)
+    sent, logs = resume(restarted, src, journal)
     assert [e["event"] for e in logs if e["event"].startswith("multipart_")] == [
         "multipart_aborted", "multipart_restarted"]
-    assert sorted(counter.sent) == list(range(1, PARTS + 1))
+    assert sorted(sent) == list(range(1, PARTS + 1))
     assert restarted.get_bytes(KEY) == data
     assert restarted.list_incomplete_uploads() == []
 
@@ -239,10 +239,8 @@ def test_stored_part_with_other_bytes_is_sent_again(make_storage: Any, tmp_path:
     restarted.client.upload_part(Bucket=restarted.bucket, Key=restarted.prefix + KEY,
                                  UploadId=rec["upload_id"], PartNumber=2,
                                  Body=os.urandom(PART))  # same size, other bytes
-    counter = PartCounter(restarted)
-    with restarted.upload_journal(journal):
-        restarted.put_file(src, KEY)
-    assert sorted(counter.sent) == [2, 3, 4, 5]
+    sent, _ = resume(restarted, src, journal)
+    assert sorted(sent) == [2, 3, 4, 5]
     assert restarted.get_bytes(KEY) == data
 
 

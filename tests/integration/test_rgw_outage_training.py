@@ -137,6 +137,21 @@ def manifest_puts(rgw_cluster: Any, bucket: str, step: int, want: int) -> list[A
     return [r for r in rgw_cluster.requests(bucket, "PUT") if r.path == path]
 
 
+def train_through_outage(rgw_cluster: Any, rgw_server: Any, bucket: str, run: Path,
+                         env: dict[str, str]) -> tuple[str, float, float]:
+    """Trains the job against the gateway, which is killed -9 for 3 s while step STEP's upload
+    has a part in flight; returns (the key being uploaded, time down, time up)."""
+    store = f'checkpoint.store="s3://{bucket}/jobs"'
+    training = Background(lambda: torchrun(run, 2, sets=SETS + [store], env=env, timeout=400))
+    key = wait_for_part_in_flight(rgw_server.client(), bucket, STEP, training)
+    with rgw_cluster.gateway_down():
+        t_down = time.time()
+        time.sleep(3.0)
+    t_up = time.time()
+    training.join(420)
+    return key, t_down, t_up
+
+
 def test_gateway_killed_mid_upload_training_rides_it_out(
         rgw_cluster: Any, rgw_server: Any, rgw_bucket: str, tmp_path: Path,
         reference: dict[int, float]) -> None:
@@ -145,15 +160,8 @@ def test_gateway_killed_mid_upload_training_rides_it_out(
     # one part's request, and the whole-upload retry (which resumes) would not be needed.
     env = {**rgw_server.env(), **TRANSFER, "DS3D_S3_MAX_BANDWIDTH_MIB": "4",
            "DS3D_S3_MAX_ATTEMPTS": "2", "DS3D_S3_OUTAGE_RETRIES": "8"}
-    store = f'checkpoint.store="s3://{rgw_bucket}/jobs"'
-    training = Background(lambda: torchrun(run, 2, sets=SETS + [store], env=env, timeout=400))
+    key, t_down, t_up = train_through_outage(rgw_cluster, rgw_server, rgw_bucket, run, env)
     client = rgw_server.client()
-    key = wait_for_part_in_flight(client, rgw_bucket, STEP, training)
-    with rgw_cluster.gateway_down():
-        t_down = time.time()
-        time.sleep(3.0)
-    t_up = time.time()
-    training.join(420)
 
     # The outage hit the upload, which resumed instead of starting over.
     retries = [e for e in worker_events(run, "storage_retry")
@@ -198,15 +206,7 @@ def test_gateway_down_past_retry_budget_then_committed_by_the_next_run(
     # outlasts it. The Uploader's own retry comes 30 s later, after this short job has ended.
     env = {**rgw_server.env(), **TRANSFER, "DS3D_S3_MAX_BANDWIDTH_MIB": "8",
            "DS3D_S3_MAX_ATTEMPTS": "1", "DS3D_S3_OUTAGE_RETRIES": "1"}
-    store = f'checkpoint.store="s3://{rgw_bucket}/jobs"'
-    training = Background(lambda: torchrun(run, 2, sets=SETS + [store], env=env, timeout=400))
-    client = rgw_server.client()
-    wait_for_part_in_flight(client, rgw_bucket, STEP, training)
-    with rgw_cluster.gateway_down():
-        t_down = time.time()
-        time.sleep(3.0)
-    t_up = time.time()
-    training.join(420)
+    _, t_down, t_up = train_through_outage(rgw_cluster, rgw_server, rgw_bucket, run, env)
     shutil.copy(run / "torchrun.log", run / "torchrun-first.log")
 
     # Training went on; the checkpoint is kept locally, marked failed, and not committed.
@@ -228,6 +228,7 @@ def test_gateway_down_past_retry_budget_then_committed_by_the_next_run(
     # The job runs again with the gateway back: it restores step 30 and has nothing left to
     # train, but first finishes the pending upload, resumed from where it stopped.
     seen = len(records(run, 0, "checkpoint"))
+    store = f'checkpoint.store="s3://{rgw_bucket}/jobs"'
     torchrun(run, 2, sets=SETS + [store], env={**rgw_server.env(), **TRANSFER}, timeout=300)
     again = [(r["step"], r["phase"]) for r in records(run, 0, "checkpoint")[seen:]]
     assert (30, "loaded") in again and again.count((STEP, "committed")) == 1, again
