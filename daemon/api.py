@@ -44,7 +44,31 @@ def _name(name: str) -> str:
     return name
 
 
-def job_to_proto(job: Job) -> pb.JobStatus:
+def split_to_proto(split: dict[str, Any] | None) -> pb.StepSplit | None:
+    """JobService.step_split -> StepSplit (None stays unset: no sampled step seen yet)."""
+    if split is None:
+        return None
+
+    stages = [pb.StageSplit(
+        stage=s["stage"], ranks=s["ranks"], step=s["step"], forward_s=s["forward"],
+        backward_s=s["backward"], optimizer_s=s["optimizer"], p2p_wait_s=s["p2p_wait"],
+        dp_reduce_s=s["dp_reduce"], data_s=s["data"], compute_s=s["compute_s"],
+        step_s=s["step_s"], **_optional(bubble=s["bubble"],
+                                         reduce_to_forward=s["reduce_to_forward"]))
+        for s in split["stages"]]
+    return pb.StepSplit(
+        stages=stages, bubble_target=split["bubble_target"],
+        reduce_to_forward_target=split["reduce_to_forward_target"],
+        **_optional(bubble=split["bubble"], bubble_theoretical=split["bubble_theoretical"],
+                    reduce_to_forward=split["reduce_to_forward"]))
+
+
+def _optional(**fields: float | None) -> dict[str, float]:
+    """proto3 `optional` fields: an unknown value is left unset, not sent as 0."""
+    return {k: float(v) for k, v in fields.items() if v is not None}
+
+
+def job_to_proto(job: Job, split: dict[str, Any] | None = None) -> pb.JobStatus:
     cfg = JobConfig.model_validate_json(job.config_json)
     total = cfg.train.steps
     eta = (total - job.step) * job.step_time_s if job.step_time_s > 0 else -1.0
@@ -62,7 +86,7 @@ def job_to_proto(job: Job) -> pb.JobStatus:
         last_checkpoint_step=job.last_ckpt_step, created_at=job.created_at,
         updated_at=job.updated_at, message=job.message, node=job.node, run_dir=job.run_dir,
         world_size=job.world_size, stage_boundaries=partition.boundaries,
-        partition_source=partition.source)
+        partition_source=partition.source, step_split=split_to_proto(split))
 
 
 def plan_to_proto(pred: Prediction) -> pb.PartitionPlan:
@@ -146,11 +170,14 @@ class ControlServicer(pb_grpc.ControlServicer):
                context: grpc.ServicerContext) -> pb.JobResponse:
         if (fwd := self._forwarded("GetJob", request)) is not None:
             return fwd
-        return pb.JobResponse(job=job_to_proto(self.service.get(_name(request.name))))
+        name = _name(request.name)
+        return pb.JobResponse(job=job_to_proto(self.service.get(name),
+                                               self.service.step_split(name)))
 
     def ListJobs(self, request: pb.ListJobsRequest,
                  context: grpc.ServicerContext) -> pb.ListJobsResponse:
-        jobs = [job_to_proto(j) for j in self.service.list_jobs(request.include_finished)]
+        jobs = [job_to_proto(j, self.service.step_split(j.name))
+                for j in self.service.list_jobs(request.include_finished)]
         for name in self.shares.names():
             if self._head(name) is None:
                 continue

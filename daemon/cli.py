@@ -6,7 +6,8 @@
     ds3dctl events JOB [--follow]      ds3dctl logs JOB
     ds3dctl checkpoints JOB | save JOB | rollback JOB STEP
     ds3dctl start tiny --nodes 2 --dp 2 --hosts HEAD_ADDR,NODE2_ADDR --store URL   (multi-node)
-    ds3dctl inject JOB nan|hang|crash|slow --rank R [--at-step S]  (ds3dd --enable-fault-injection)
+    ds3dctl inject JOB nan|hang|crash|slow|spike --rank R [--at-step S]
+                                       (ds3dd --enable-fault-injection)
     ds3dctl rebalance JOB [--dry-run] [--json]   pipeline partition from measured layer costs
 
 The daemon address comes from --addr or DS3D_ADDR (default 127.0.0.1:7531); the token from
@@ -36,6 +37,8 @@ from ds3d.trainer.config import build_job_config
 from ds3d.trainer.errors import Ds3dError
 from ds3d.v1 import control_pb2 as pb
 from ds3d.v1 import control_pb2_grpc as pb_grpc
+
+from .jobdir import INJECT_KINDS
 
 DEFAULT_ADDR = "127.0.0.1:7531"
 EXIT_BAD_INPUT = 2
@@ -133,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inject", help="drills: make one rank misbehave (needs ds3dd "
                        "--enable-fault-injection)")
     p.add_argument("job")
-    p.add_argument("kind", choices=("nan", "hang", "crash", "slow"))
+    p.add_argument("kind", choices=INJECT_KINDS)
     p.add_argument("--rank", type=int, required=True, help="global rank")
     p.add_argument("--at-step", type=int, default=0,
                    help="step at which it happens (default: the next step)")
@@ -224,8 +227,75 @@ def job_dict(j: pb.JobStatus) -> dict[str, Any]:
                    "zero_stage": j.spec.zero_stage, "nnodes": j.spec.nnodes},
         "world_size": j.world_size, "message": j.message, "node": j.node, "run_dir": j.run_dir,
         "partition": {"boundaries": list(j.stage_boundaries), "source": j.partition_source},
+        "step_split": split_dict(j.step_split) if j.HasField("step_split") else None,
         "created_at": j.created_at, "updated_at": j.updated_at,
     }
+
+
+def _opt(msg: Any, field: str) -> float | None:
+    return getattr(msg, field) if msg.HasField(field) else None
+
+
+_SPLIT_PARTS = ("forward_s", "backward_s", "optimizer_s", "p2p_wait_s", "dp_reduce_s", "data_s",
+                "compute_s", "step_s")
+
+
+def split_dict(sp: pb.StepSplit) -> dict[str, Any]:
+    """The step-time split as JSON, with each target's verdict (True = within the target)."""
+    bubble, ratio = _opt(sp, "bubble"), _opt(sp, "reduce_to_forward")
+    return {
+        "stages": [{"stage": st.stage, "ranks": st.ranks, "step": st.step,
+                    **{k: getattr(st, k) for k in _SPLIT_PARTS},
+                    "bubble": _opt(st, "bubble"),
+                    "reduce_to_forward": _opt(st, "reduce_to_forward")}
+                   for st in sp.stages],
+        "bubble": bubble, "bubble_theoretical": _opt(sp, "bubble_theoretical"),
+        "reduce_to_forward": ratio,
+        "targets": {"bubble": sp.bubble_target, "reduce_to_forward": sp.reduce_to_forward_target},
+        "bubble_ok": None if bubble is None else bubble <= sp.bubble_target,
+        "reduce_to_forward_ok": None if ratio is None else ratio <= sp.reduce_to_forward_target,
+    }
+
+
+def split_text(sp: pb.StepSplit) -> str:
+    """Where the step time goes, one row per pipeline stage (its slowest rank per part), then
+    the bubble and the reduce/forward ratio against the targets; `!` marks a missed target."""
+    if not sp.stages:
+        return "step-time split: no sampled step yet (step 2, then every train.timing_interval)"
+    step = max(st.step for st in sp.stages)
+    head = ("STAGE", "RANKS", "FORWARD", "BACKWARD", "OPTIMIZER", "P2P WAIT", "DP REDUCE", "DATA",
+            "STEP", "BUBBLE", "REDUCE/FWD")
+    rows = [head]
+    for st in sp.stages:
+        b, r = _opt(st, "bubble"), _opt(st, "reduce_to_forward")
+        rows.append((str(st.stage), str(st.ranks),
+                     *(f"{getattr(st, k):.3f}" for k in _SPLIT_PARTS if k != "compute_s"),
+                     _pct(b, sp.bubble_target), _pct(r, sp.reduce_to_forward_target)))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    table = "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
+    lines = [f"step-time split, seconds, sampled step {step} (slowest rank of each stage):", table]
+    bubble, theory = _opt(sp, "bubble"), _opt(sp, "bubble_theoretical")
+    if bubble is not None:
+        verdict = "ok" if bubble <= sp.bubble_target else "ABOVE TARGET"
+        lines.append(f"pipeline bubble {bubble:.1%} measured vs {theory or 0:.1%} theoretical "
+                     f"(p-1)/(m+p-1); target < {sp.bubble_target:.0%}: {verdict}")
+    else:
+        lines.append("pipeline bubble: none (one pipeline stage)")
+    ratio = _opt(sp, "reduce_to_forward")
+    if ratio is not None:
+        verdict = "ok" if ratio <= sp.reduce_to_forward_target else "ABOVE TARGET"
+        lines.append(f"DP reduce / forward {ratio:.1%}; target < "
+                     f"{sp.reduce_to_forward_target:.0%}: {verdict}")
+    else:
+        lines.append("DP reduce / forward: not measured (DP = 1, or the reduction overlaps "
+                     "backward and is counted in it)")
+    return "\n".join(lines)
+
+
+def _pct(v: float | None, target: float) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.1%}" + (" !" if v > target else "")
 
 
 def job_table(jobs: Sequence[pb.JobStatus]) -> str:
@@ -243,6 +313,43 @@ def job_table(jobs: Sequence[pb.JobStatus]) -> str:
                      j.message[:60]))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def log_paths_text(j: pb.JobStatus) -> str:
+    """Where everything a job writes lives on its head node (the tails above are from logs/)."""
+    d, name = j.run_dir, j.spec.name
+    return "\n".join([
+        f"--- files of {name} on node {j.node or '?'}:",
+        f"  worker and agent logs  {os.path.join(d, 'logs')}/ (agent.log, attempt-N/...)",
+        f"  per-rank records       {os.path.join(d, 'reports')}/rank-*.jsonl"
+        + ("  (other nodes' copies in reports/nodes/)" if j.spec.nnodes > 1 else ""),
+        f"  TensorBoard            {os.path.join(d, 'tensorboard')}/  (ds3dctl logs {name} "
+        "--tensorboard)",
+        f"  daemon events          ds3dctl events {name} [--follow]  (stored in the daemon's "
+        "state database)"])
+
+
+def tensorboard_text(j: pb.JobStatus, rank0_host: str) -> str:
+    """Where the job's TensorBoard event files are and how to view them. Only global rank 0
+    writes them (trainer/tensorboard.py), into the job directory of the node it runs on."""
+    path = os.path.join(j.run_dir, "tensorboard")
+    lines = [f"TensorBoard event files of {j.spec.name} (written by global rank 0; each start "
+             "of the worker group adds a file, read together as one run):", f"  {path}"]
+    if j.spec.nnodes > 1:
+        where = f"host {rank0_host}" if rank0_host else "the node global rank 0 runs on"
+        lines.append(f"  on {where}, in that node's job directory (<ds3dd --state-dir>/jobs/"
+                     f"{j.spec.name}/tensorboard); the other nodes hold no event files: their "
+                     "ranks' step-time splits are in reports/ and the Prometheus metrics")
+    elif rank0_host:
+        lines.append(f"  on host {rank0_host}")
+    if os.path.isdir(path):
+        files = sorted(f for f in os.listdir(path) if f.startswith("events.out.tfevents"))
+        lines.append(f"  {len(files)} event file(s) here")
+    else:
+        lines.append("  (not on this machine: run the command below on that host, or copy the "
+                     "folder here)")
+    lines.append(f"view: tensorboard --logdir {path} --bind_all   then open http://HOST:6006")
+    return "\n".join(lines)
 
 
 def event_line(e: pb.Event) -> str:
@@ -294,6 +401,8 @@ def run(args: argparse.Namespace, out: Any = sys.stdout) -> int:
                   file=out)
         else:
             print(job_table(jobs) if jobs else "no jobs", file=out)
+            if c == "status" and args.job and jobs[0].HasField("step_split"):
+                print("\n" + split_text(jobs[0].step_split), file=out)
     elif c == "events":
         req = pb.WatchEventsRequest(name=args.job, follow=args.follow, kinds=args.kind,
                                     step_every=args.step_every)
@@ -306,10 +415,10 @@ def run(args: argparse.Namespace, out: Any = sys.stdout) -> int:
             else:
                 print(event_line(e), file=out, flush=True)
     elif c == "logs" and args.tensorboard:
-        run_dir = client.call("GetJob", pb.JobRef(name=args.job)).job.run_dir
-        path = os.path.join(run_dir, "tensorboard")
-        print(f"{path}\nview: tensorboard --logdir {path} --bind_all  (then open port 6006)",
-              file=out)
+        job = client.call("GetJob", pb.JobRef(name=args.job)).job
+        starts = [e for e in client.stream("WatchEvents", pb.WatchEventsRequest(
+            name=args.job, kinds=["start", "recovery"])) if e.rank == 0]
+        print(tensorboard_text(job, starts[-1].node if starts else ""), file=out)
     elif c == "export":
         _export(client, args, out)
     elif c == "logs":
@@ -319,6 +428,7 @@ def run(args: argparse.Namespace, out: Any = sys.stdout) -> int:
             print(f"==> {f.path} ({f.size} bytes) <==\n{f.text}", file=out)
         if not resp.files:
             print("no logs yet", file=out)
+        print(log_paths_text(client.call("GetJob", pb.JobRef(name=args.job)).job), file=out)
     elif c == "checkpoints":
         cks = client.call("ListCheckpoints", pb.ListCheckpointsRequest(name=args.job)).checkpoints
         if args.json:

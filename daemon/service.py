@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -23,6 +24,7 @@ from ds3d.trainer.partition import (LayerCost, Proposal, current_partition, fmt_
 from .jobdir import INJECT_KINDS, JobDir
 from .peers import PeerClient, check_peer_address
 from .states import TERMINAL, JobState, check_action
+from .step_analysis import BUBBLE_TARGET, REDUCE_TO_FORWARD_TARGET
 from .store import CheckpointRow, Event, Job, Store
 from .preflight import preflight
 from .supervisor import Supervisors
@@ -251,6 +253,19 @@ class JobService:
 
     def get(self, name: str) -> Job:
         return self.store.get_job(name)
+
+    def step_split(self, name: str) -> dict[str, Any] | None:
+        """Where the newest sampled step's time went, per stage, with the overall bubble and
+        reduce/forward ratio beside the targets the diagnoses use (None before a sample)."""
+        analysis = self.supervisors.analysis(name)
+        if analysis is None or not (stages := analysis.per_stage()):
+            return None
+        bubble = analysis.bubble()
+        return {"stages": stages, "bubble": bubble[0] if bubble else None,
+                "bubble_theoretical": bubble[1] if bubble else None,
+                "reduce_to_forward": analysis.reduce_to_forward(),
+                "bubble_target": BUBBLE_TARGET,
+                "reduce_to_forward_target": REDUCE_TO_FORWARD_TARGET}
 
     def has(self, name: str) -> bool:
         """The job is headed by this daemon (stored here)."""

@@ -122,6 +122,27 @@ class StepAnalysis:
         vals = [s["reduce_to_forward"] for s in self.splits.values() if "reduce_to_forward" in s]
         return max(vals) if vals else None
 
+    def per_stage(self) -> list[dict[str, Any]]:
+        """The newest sampled split per pipeline stage, for `ds3dctl status`: each part from
+        the stage's slowest rank (as the step-split gauge), the bubble as the mean of the stage's
+        ranks, reduce/forward as the largest."""
+        stages: dict[int, list[dict[str, Any]]] = {}
+        for s in self.splits.values():
+            stages.setdefault(s["stage"], []).append(s)
+        out = []
+        for stage, ss in sorted(stages.items()):
+            row: dict[str, Any] = {"stage": stage, "ranks": len(ss),
+                                   "step": max(s["step"] for s in ss)}
+            for part in ("forward", "backward", "optimizer", "p2p_wait", "dp_reduce", "data",
+                         "compute_s", "step_s"):
+                row[part] = max(float(s.get(part, 0.0)) for s in ss)
+            bubbles = [float(s["bubble"]) for s in ss if "bubble" in s]
+            ratios = [float(s["reduce_to_forward"]) for s in ss if "reduce_to_forward" in s]
+            row["bubble"] = statistics.mean(bubbles) if bubbles else None
+            row["reduce_to_forward"] = max(ratios) if ratios else None
+            out.append(row)
+        return out
+
     def export(self, metrics: Metrics, job: str) -> None:
         for rank in self._exported - set(self.splits):  # ranks of a group that is gone
             metrics.rank_step_seconds.remove(job, str(rank))

@@ -4,16 +4,24 @@ Files go to RUN_DIR/tensorboard (`ds3dctl logs JOB --tensorboard` prints the pat
 restart of the worker group adds a file to the same folder, which TensorBoard reads as one run.
 MFU is logged where the accelerator's dense bf16 peak is known (datasheet values, or
 DS3D_PEAK_TFLOPS for other hardware).
+
+Tags: train/{loss,lr,grad_norm,loss_scale (fp16)}, perf/{tokens_per_s,step_time_s,mfu}, on
+sampled steps time/<part> and perf/{bubble,bubble_theoretical,reduce_to_forward},
+checkpoint/blocked_s, faults/restarts (the agent's restart count), faults/rollback_<cause>
+(in-process rollbacks) and restarts/<cause> (why this start is not the job's first; see
+`restart_cause`).
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from .config import JobConfig
+from .report import read_records, report_path
 
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0,
                     "L40S": 362.0, "B200": 2250.0}
@@ -35,6 +43,35 @@ def flops_per_step(cfg: JobConfig, global_batch: int) -> float:
     return 6 * m.n_params() * tokens + 12 * m.n_layers * m.d_model * m.seq_len * tokens
 
 
+def restart_cause(records: list[dict[str, Any]], pid: int, world_size: int,
+                  restart: int) -> tuple[str, int] | None:
+    """(cause, resumed step) of this start of rank 0, from rank 0's own report file: the records
+    of this process (`pid`) and of the run before it. None for the job's first start (or when
+    rank 0 ran on another node before: its records are there). Causes: "rollback" (the daemon
+    asked for a checkpoint step), "after_<reason>" (the previous workers ended cleanly: paused,
+    repartition, restart, ...), "worker_exit" / "node_lost" / "node_joined" (the elastic agent
+    restarted the group; the world size says which), "unclean_exit" (the daemon relaunched
+    after killing or losing the workers: hang, crash, OOM; `ds3dctl events` names the fault)."""
+    mine = [r for r in records if r.get("pid") == pid]
+    before = [r for r in records if r.get("pid") != pid]
+    if not before:
+        return None
+    prev = [r for r in before if r.get("pid") == before[-1].get("pid")]
+    step = next((int(r.get("step", 0)) for r in mine
+                 if r.get("kind") == "checkpoint" and r.get("phase") == "loaded"), 0)
+    if any(r.get("kind") == "checkpoint" and r.get("phase") == "rolled_back" for r in mine):
+        return "rollback", step
+    done = [r for r in prev if r.get("kind") == "done"]
+    if done:
+        return f"after_{done[-1].get('reason') or 'done'}", step
+    if restart > 0:
+        worlds = [int(r.get("world_size", 0)) for r in prev if r.get("kind") == "start"]
+        old = worlds[-1] if worlds else world_size
+        return ("node_lost" if old > world_size else "node_joined" if old < world_size
+                else "worker_exit"), step
+    return "unclean_exit", step
+
+
 class TensorBoardLog:
     def __init__(self, cfg: JobConfig, run_dir: Path, device: torch.device, world_size: int,
                  global_batch: int, restart: int) -> None:
@@ -46,6 +83,10 @@ class TensorBoardLog:
         self.flops = flops_per_step(cfg, global_batch)
         self.peak_total = peak * 1e12 * world_size if peak else None
         self.restart = restart
+        records, _ = read_records(report_path(run_dir, 0))
+        cause = restart_cause(records, os.getpid(), world_size, restart)
+        if cause is not None:  # a marker at the step training resumed from
+            self.writer.add_scalar(f"restarts/{cause[0]}", 1, cause[1])
 
     def step(self, step: int, loss: float, lr: float, grad_norm: float | None,
              loss_scale: float | None, tokens_per_s: float, step_time_s: float) -> float | None:

@@ -30,3 +30,12 @@ def test_real_worker_runs_to_completion(daemon):
     assert job["step"] == 6 and job["loss"] is not None and job["tokens_per_s"] > 0
     cks = json.loads(daemon.ctl("checkpoints", "real", "--json").stdout)
     assert cks and cks[-1]["step"] == 6 and cks[-1]["present"]
+    # where the step time went: the split of the sampled step 2 (train.timing_interval) in
+    # `ds3dctl status`, as a table and in --json
+    split = job["step_split"]
+    assert split is not None and [s["stage"] for s in split["stages"]] == [0], split
+    st = split["stages"][0]
+    assert st["step"] >= 2 and st["forward_s"] > 0 and st["backward_s"] > 0, st
+    assert st["compute_s"] <= st["step_s"] and split["bubble"] is None  # one stage
+    text = daemon.ctl("status", "real").stdout
+    assert "step-time split, seconds, sampled step" in text and "pipeline bubble: none" in text
