@@ -285,6 +285,10 @@ class Catalog:
             keys = [o.key for o in self.storage.list(layout.step_prefix(step))]
             self.storage.delete([layout.manifest_key(step)])
             self.storage.delete(k for k in keys if k != layout.manifest_key(step))
+            # parts of its unfinished multipart uploads cost storage until aborted
+            abort = getattr(self.storage, "abort_incomplete_uploads", None)
+            if abort is not None:
+                abort(layout.step_prefix(step))
         if local and self.local_dir is not None:
             committed = self.storage is None or not self._unfinished_local(step)
             if not committed and not force:

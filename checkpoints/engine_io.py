@@ -68,7 +68,9 @@ class CheckpointManager:
         self.cfg, self.me, self.device, self.emit = cfg, me, device, emit
         self.local_dir = Path(cfg.checkpoint.local_dir or Path(run_dir) / "ckpt")
         self.local_dir.mkdir(parents=True, exist_ok=True)
-        self.storage: Storage = open_storage(job_store_url(cfg.checkpoint.store, cfg.name, run_dir))
+        url = job_store_url(cfg.checkpoint.store, cfg.name, run_dir)
+        self.storage: Storage = open_storage(
+            url, **(cfg.checkpoint.s3.options() if url.startswith("s3://") else {}))
         self.catalog = Catalog(self.storage, self.local_dir)
         self.uploader = Uploader(self.storage, self.local_dir, me.rank, me.world_size,
                                  on_event=self._on_upload_event)

@@ -135,6 +135,39 @@ class DataConfig(_Section):
         "never trained on (set by NaN recovery)")
 
 
+class S3TransferConfig(_Section):
+    """How the job's workers move checkpoints to an `s3://` store; unset fields fall back to the
+    `DS3D_S3_*` environment of ds3dd, then to the built-in defaults. Credentials and endpoints
+    never come from here (the daemon's environment)."""
+
+    multipart_threshold_mib: float | None = Field(
+        default=None, gt=0, description="files from this size up are resumable multipart uploads")
+    multipart_chunksize_mib: float | None = Field(
+        default=None, ge=5, description="part size (S3's minimum is 5 MiB)")
+    max_concurrency: int | None = Field(default=None, ge=1, description="parts in flight per file")
+    max_bandwidth_mib: float | None = Field(
+        default=None, ge=0, description="MiB/s per rank, 0 = unlimited")
+    max_attempts: int | None = Field(default=None, ge=1, description="botocore attempts per request")
+    outage_retries: int | None = Field(
+        default=None, ge=0, description="whole-operation retries (backoff) through an outage")
+
+    def options(self) -> dict[str, int | None]:
+        """S3Storage options of the fields that are set (bytes where the storage wants bytes)."""
+        mib = 1 << 20
+        out: dict[str, int | None] = {}
+        for name, option, unit in (("multipart_threshold_mib", "multipart_threshold", mib),
+                                   ("multipart_chunksize_mib", "multipart_chunksize", mib),
+                                   ("max_concurrency", "max_concurrency", 1),
+                                   ("max_bandwidth_mib", "max_bandwidth", mib),
+                                   ("max_attempts", "max_attempts", 1),
+                                   ("outage_retries", "outage_retries", 1)):
+            value = getattr(self, name)
+            if value is not None:
+                out[option] = None if option == "max_bandwidth" and value == 0 else \
+                    int(value * unit)
+        return out
+
+
 class CheckpointConfig(_Section):
     interval: int = Field(default=0, ge=0, description="save every N steps (0 = only on demand)")
     local_dir: str | None = Field(default=None, description="node-local tier; default JOB_DIR/ckpt")
@@ -142,6 +175,8 @@ class CheckpointConfig(_Section):
     keep_last: int = Field(default=3, ge=1)
     keep_every: int = Field(default=0, ge=0, description="also keep every Nth step (0 = none)")
     load: bool = Field(default=True, description="resume from the newest complete checkpoint")
+    s3: S3TransferConfig = Field(default_factory=S3TransferConfig,
+                                 description="transfer settings for an s3:// store")
 
 
 class FaultsConfig(_Section):

@@ -21,7 +21,8 @@ from ds3d.checkpoints import layout
 from ds3d.checkpoints.catalog import Catalog, CkptState
 from ds3d.checkpoints.s3_storage import S3Storage, UploadJournal
 from ds3d.checkpoints.storage import open_storage
-from ds3d.checkpoints.upload import Uploader, multipart_journal_path, read_marker
+from ds3d.checkpoints.upload import (Uploader, multipart_journal_path, read_marker,
+                                     upload_rank_files)
 from ds3d.trainer.errors import ConfigError, TransientStorageError
 from fixtures.ckpt import meta_for, write_fake_checkpoint
 
@@ -310,6 +311,23 @@ def test_abandoned_checkpoint_aborts_its_uploads(make_storage: Any, tmp_path: Pa
         "error"]
 
 
+def test_deleted_checkpoint_aborts_its_unfinished_uploads(make_storage: Any,
+                                                         tmp_path: Path) -> None:
+    """`Catalog.delete` (retention, rollback, `ds3dctl`) also aborts the step's multipart
+    uploads a killed uploader left behind, and only that step's."""
+    storage = make_storage(**GIVE_UP)
+    files = write_fake_checkpoint(tmp_path, 7)
+    upload_rank_files(storage, 7, 0, tmp_path, files[0])
+    left = {}
+    for step in (7, 8):
+        key = layout.file_key(step, "global_step/zero_pp_rank_0_mp_rank_00_optim_states.pt")
+        left[step] = storage.client.create_multipart_upload(
+            Bucket=storage.bucket, Key=storage.prefix + key)["UploadId"]
+    Catalog(storage, None).delete(7)
+    assert [u for _, u in storage.list_incomplete_uploads()] == [left[8]]
+    assert storage.list(layout.step_prefix(7)) == []
+
+
 def test_transfer_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch,
                                                  aws_env: None) -> None:
     """How a job's workers (which open the store by URL) get transfer and retry settings."""
@@ -324,6 +342,35 @@ def test_transfer_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setenv("DS3D_S3_MULTIPART_CHUNKSIZE_MIB", "1")  # below S3's 5 MiB part minimum
     with pytest.raises(ConfigError, match="DS3D_S3_MULTIPART_CHUNKSIZE_MIB"):
         open_storage("s3://bucket-x/p")
+
+
+def test_transfer_settings_from_the_job_config(monkeypatch: pytest.MonkeyPatch,
+                                               aws_env: None, tmp_path: Path) -> None:
+    """`[checkpoint.s3]` in the job config: what the workers' CheckpointManager opens the
+    store with; set fields win over the daemon's DS3D_S3_* environment, unset ones fall back."""
+    import torch
+
+    from ds3d.checkpoints.engine_io import CheckpointManager, Rank
+    from ds3d.trainer.config import build_job_config
+
+    monkeypatch.setenv("DS3D_S3_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setenv("DS3D_S3_MAX_CONCURRENCY", "3")
+    monkeypatch.setenv("DS3D_S3_OUTAGE_RETRIES", "9")
+    cfg = build_job_config("tiny", ['checkpoint.store="s3://bucket-x/runs"',
+                                    "checkpoint.s3.multipart_chunksize_mib=16",
+                                    "checkpoint.s3.max_bandwidth_mib=0",
+                                    "checkpoint.s3.outage_retries=4"])
+    mgr = CheckpointManager(cfg, tmp_path, Rank(0, 1, 0, 1, 1, 1), torch.device("cpu"),
+                            lambda *a, **k: None)
+    storage = mgr.storage
+    assert isinstance(storage, S3Storage) and storage.prefix == "runs/tiny/"
+    assert storage.transfer.multipart_chunksize == 16 << 20
+    assert storage.transfer.max_bandwidth is None  # 0 = unlimited
+    assert storage.outage_retries == 4  # the config wins over DS3D_S3_OUTAGE_RETRIES
+    assert storage.transfer.max_concurrency == 3  # unset: from the environment
+    mgr.uploader.close(timeout=5)
+    with pytest.raises(ConfigError, match="multipart_chunksize_mib"):
+        build_job_config("tiny", ["checkpoint.s3.multipart_chunksize_mib=1"])
 
 
 @pytest.mark.rgw
