@@ -23,7 +23,7 @@ warm: setup
 	$(BIN)/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
 
 test: warm
-	$(BIN)/pytest -q -ra
+	$(BIN)/pytest -q -ra --durations=40
 
 test-fast: setup
 	$(BIN)/pytest -q -ra -m "not slow"

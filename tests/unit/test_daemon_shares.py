@@ -95,3 +95,40 @@ def test_peers_beyond_loopback_need_tls():
         check_peer_address("10.0.0.2:7531", None)
     with pytest.raises(PeerError, match="mutual TLS"):
         PeerClient(None, None).status("node2.cluster:7531")
+
+
+# ---- ReturningNodes: which lost nodes answer again ------------------------------------------
+
+class _Peers:
+    """PeerClient stand-in: address -> the jobs with a live agent there, or None (down)."""
+
+    def __init__(self, nodes):
+        self.nodes, self.asked = nodes, []
+
+    def status(self, address, timeout_s=None):
+        from ds3d.daemon.peers import PeerError
+        from ds3d.v1 import control_pb2 as pb
+
+        self.asked.append((address, timeout_s))
+        jobs = self.nodes[address]
+        if jobs is None:
+            raise PeerError(f"node {address}: NodeStatus failed: UNAVAILABLE")
+        return pb.NodeStatusResponse(shares=[pb.ShareStatus(job=j, agent_alive=True) for j in jobs])
+
+
+def test_returning_nodes_are_those_answering_without_a_live_share(monkeypatch):
+    from ds3d.daemon import peers as peers_mod
+
+    clock = [100.0]
+    monkeypatch.setattr(peers_mod.time, "monotonic", lambda: clock[0])
+    fake = _Peers({"a:1": None, "b:1": [], "c:1": ["job"], "d:1": ["other"]})
+    nodes = peers_mod.ReturningNodes(fake, every_s=2.0, offered_wait_s=60.0, timeout_s=1.5)
+    # down, back without the job, still running it, back (runs another job only)
+    assert nodes.poll("job", ["a:1", "b:1", "c:1", "d:1"]) == ["b:1", "d:1"]
+    assert {t for _, t in fake.asked} == {1.5}  # a short timeout: the tick must not stall
+    assert nodes.poll("job", ["b:1"]) == []  # asked again only every 2 s
+    nodes.offered("b:1")
+    clock[0] += 2.5
+    assert nodes.poll("job", ["a:1", "b:1", "d:1"]) == ["d:1"]  # b was just taken back
+    clock[0] += 60
+    assert nodes.poll("job", ["b:1"]) == ["b:1"]  # its agent never came: offered again
