@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .config import JobConfig
-from .partition import (MemoryModel, Proposal, bytes_per_param, check_boundaries, costs_json,
+from .partition import (MemoryModel, Proposal, bytes_per_param, check_runnable, costs_json,
                         layer_names, merge_profile_records, propose, write_layer_costs,
                         write_partition_file)
 
@@ -322,7 +322,7 @@ class PartitionTuner:
         parts = box[0]
         if not isinstance(parts, list) or not all(isinstance(b, int) for b in parts):
             return None, "the command carries no boundaries"
-        problem = check_boundaries(parts, self.cfg.model.n_layers, self.cfg.parallel.pp)
+        problem = check_runnable(parts, self.cfg.model.n_layers, self.cfg.parallel.pp)
         if problem:
             return None, problem
         if parts == self.parts:

@@ -101,7 +101,21 @@ def method_boundaries(cfg: JobConfig) -> list[int]:
             acc += count
             parts.append(acc)
         return parts + [n + 2]
-    return deepspeed_balanced(layer_param_counts(cfg.model), p.pp)  # parameters, measured
+    return keep_embedding_company(deepspeed_balanced(layer_param_counts(cfg.model), p.pp))
+
+
+def keep_embedding_company(parts: Sequence[int]) -> list[int]:
+    """Moves the first boundary so that stage 0 holds a transformer block besides the embedding,
+    shifting later boundaries as needed. A first stage of the embedding alone hangs DeepSpeed's
+    ZeRO step (seen at PP = 4 on gloo: rank 0 goes on to the loss broadcast while the other
+    stages wait in the optimizer's grad-norm all-reduce); the parameter balance picks exactly
+    that split when the vocabulary is large."""
+    out = list(parts)
+    if len(out) > 2 and out[1] < 2:
+        out[1] = 2
+        for k in range(2, len(out) - 1):
+            out[k] = max(out[k], out[k - 1] + 1)
+    return out
 
 
 def check_boundaries(parts: Sequence[int], n_layers: int, stages: int) -> str | None:
@@ -114,6 +128,15 @@ def check_boundaries(parts: Sequence[int], n_layers: int, stages: int) -> str | 
     if any(b <= a for a, b in zip(parts, parts[1:])):
         return "every stage needs at least one layer (boundaries strictly increasing)"
     return None
+
+
+def check_runnable(parts: Sequence[int], n_layers: int, stages: int) -> str | None:
+    """`check_boundaries`, and what DeepSpeed can run: not the embedding alone on stage 0
+    (keep_embedding_company)."""
+    problem = check_boundaries(parts, n_layers, stages)
+    if problem is None and stages > 1 and parts[1] < 2:
+        problem = "stage 0 needs a transformer block besides the embedding"
+    return problem
 
 
 # --------------------------------------------------------------------------------------------
@@ -138,7 +161,7 @@ def read_partition_file(run_dir: str | Path | None, cfg: JobConfig) -> dict[str,
         return None
     parts = data.get("boundaries")
     if not isinstance(parts, list) or data.get("model_hash") not in (None, cfg.model_hash()) or \
-            check_boundaries(parts, cfg.model.n_layers, cfg.parallel.pp) is not None:
+            check_runnable(parts, cfg.model.n_layers, cfg.parallel.pp) is not None:
         return None
     return dict(data)
 
@@ -164,7 +187,7 @@ def write_partition_file(run_dir: str | Path, cfg: JobConfig, boundaries: Sequen
                          source: str, **detail: Any) -> Path:
     """Writes RUN_DIR/partition.json atomically (tmp + rename): a start reads the old file or
     the new one, never half of one."""
-    problem = check_boundaries(boundaries, cfg.model.n_layers, cfg.parallel.pp)
+    problem = check_runnable(boundaries, cfg.model.n_layers, cfg.parallel.pp)
     if problem:
         raise ValueError(f"partition {list(boundaries)}: {problem}")
     path = Path(run_dir) / PARTITION_FILE
@@ -262,11 +285,13 @@ class PartitionError(ValueError):
 def best_partition(costs: Sequence[float], stages: int, *,
                    static_bytes: Sequence[float] | None = None,
                    activation_bytes: Sequence[float] | None = None,
-                   micro_batches: int = 1, limit_bytes: float | None = None) -> list[int]:
+                   micro_batches: int = 1, limit_bytes: float | None = None,
+                   first_at_least: int = 1) -> list[int]:
     """Contiguous split of `costs` into `stages` non-empty parts minimising the largest part's
     sum; with `limit_bytes`, each stage k must satisfy Σ static + in_flight(k) Σ activation
-    ≤ limit. Among the optimal splits, the one with the smallest Σ part² (most even). O(p n²).
-    Raises PartitionError when no split fits the memory limit."""
+    ≤ limit; the first stage holds at least `first_at_least` layers. Among the optimal splits,
+    the one with the smallest Σ part² (most even). O(p n²). Raises PartitionError when no split
+    fits the memory limit."""
     n, p = len(costs), stages
     if not 1 <= p <= n:
         raise PartitionError(f"cannot split {n} layers into {p} non-empty stages")
@@ -275,6 +300,8 @@ def best_partition(costs: Sequence[float], stages: int, *,
     pre_a = _prefix(activation_bytes or [0.0] * n)
 
     def fits(k: int, i: int, j: int) -> bool:
+        if k == 0 and p > 1 and j - i < first_at_least:
+            return False
         if limit_bytes is None:
             return True
         need = pre_s[j] - pre_s[i] + in_flight(k, p, micro_batches) * (pre_a[j] - pre_a[i])
@@ -291,8 +318,9 @@ def best_partition(costs: Sequence[float], stages: int, *,
                     best[k][j] = min(best[k][j], max(best[k - 1][i], pre[j] - pre[i]))
     bound = best[p][n]
     if bound == inf:
-        raise PartitionError(f"no split of {n} layers into {p} stages fits {limit_bytes:.3g} "
-                             "bytes per stage")
+        raise PartitionError(f"no split of {n} layers into {p} stages fits "
+                             + (f"{limit_bytes:.3g} bytes per stage" if limit_bytes else
+                                f"a first stage of at least {first_at_least} layers"))
     cap = bound * (1 + 1e-9) + 1e-15
     # pass 2: among splits whose stages all stay within `bound`, the smallest sum of squares
     sq = [[inf] * (n + 1) for _ in range(p + 1)]
@@ -348,7 +376,8 @@ def propose(costs: Sequence[LayerCost], current: Sequence[int], micro_batches: i
             [c.seconds for c in costs], p, micro_batches=micro_batches,
             static_bytes=[c.params * memory.bytes_per_param for c in costs] if memory else None,
             activation_bytes=[c.activation_bytes for c in costs] if memory else None,
-            limit_bytes=memory.limit_bytes if memory else None)
+            limit_bytes=memory.limit_bytes if memory else None,
+            first_at_least=2)  # keep_embedding_company
     except PartitionError:
         best = list(current)
     now = predict(costs, current, micro_batches, memory)

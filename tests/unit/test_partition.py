@@ -395,3 +395,27 @@ def test_job_status_shows_the_partition(tmp_path):
     write_partition_file(tmp_path / "jobs" / "pj", cfg, [0, 4, 6], "rebalance")
     status = job_to_proto(store.get_job("pj"))
     assert (list(status.stage_boundaries), status.partition_source) == ([0, 4, 6], "rebalance")
+
+
+# ---- stage 0 never holds the embedding alone (DeepSpeed's ZeRO step hangs on it) -------------
+
+def test_stage_zero_keeps_a_block_beside_the_embedding():
+    from ds3d.trainer.partition import check_runnable, keep_embedding_company
+
+    assert keep_embedding_company([0, 1, 6, 9, 10]) == [0, 2, 6, 9, 10]
+    assert keep_embedding_company([0, 1, 2, 3, 10]) == [0, 2, 3, 4, 10]
+    assert keep_embedding_company([0, 3, 10]) == [0, 3, 10]
+    assert keep_embedding_company([0, 10]) == [0, 10]
+    # a large vocabulary: balancing parameters alone would put the embedding alone on stage 0
+    cfg = build_job_config("tiny", ["model.n_layers=8", "model.d_model=128", "model.n_heads=4",
+                                    "model.vocab_size=4096", "parallel.pp=4",
+                                    "model.layer_d_ff=[64,64,64,64,64,64,64,1024]"])
+    ds = deepspeed_balanced(layer_param_counts(cfg.model), 4)
+    assert ds[1] == 1
+    assert method_boundaries(cfg) == keep_embedding_company(ds)
+    assert check_runnable(method_boundaries(cfg), 8, 4) is None
+    assert "besides the embedding" in check_runnable([0, 1, 6, 9, 10], 8, 4)
+    # measured: a first stage of one layer only where allowed
+    costs = [3.0, 5.0, 1.0, 1.0, 5.0, 5.0]
+    assert best_partition(costs, 4)[:2] == [0, 1]
+    assert best_partition(costs, 4, first_at_least=2)[:2] == [0, 2]
