@@ -51,11 +51,18 @@ class Detector(Protocol):
 class HangDetector:
     """No report from any rank for longer than a timeout derived from the measured step time:
     `max(min_timeout_s, factor x median step time)`. The clock starts when this detector first
-    sees the job RUNNING, so a daemon restart gives the workers a full timeout again."""
+    sees the job RUNNING, so a daemon restart gives the workers a full timeout again.
 
-    def __init__(self, min_timeout_s: float = 120.0, factor: float = 20.0) -> None:
+    A worker group the elastic agent restarted on its own (a worker exited: the job stays
+    RUNNING) needs start-up time before its first report (imports, rendezvous, restore): until
+    that first report, silence is measured from the newest worker process's start and allowed
+    `startup_s`, not the step-derived timeout."""
+
+    def __init__(self, min_timeout_s: float = 120.0, factor: float = 20.0,
+                 startup_s: float = 120.0) -> None:
         self.min_timeout_s = min_timeout_s
         self.factor = factor
+        self.startup_s = max(startup_s, min_timeout_s)
         self._since: float | None = None
         self._step_times: list[float] = []
 
@@ -77,11 +84,40 @@ class HangDetector:
                 self._step_times.append(float(t))
         last = max([self._since, *obs.last_seen.values()])
         silent = now - last
-        if silent > self.timeout_s():
+        if silent <= self.timeout_s():
+            return None
+        started = newest_worker_start(job.agent_pid, now)
+        # (process start times are known to ~1 s: the kernel's boot time is whole seconds; no
+        # group reports within seconds of its start, so the slack cannot hide a real report)
+        if started is not None and started + START_SLACK_S > last:  # restarted, not reporting
+            if now - started <= self.startup_s:
+                return None
             self._since = now
-            return Fault("hang", f"no report from any rank for {silent:.0f} s (timeout "
-                         f"{self.timeout_s():.0f} s)", restart=True)
+            return Fault("hang", f"the worker group the agent restarted sent no report in "
+                         f"{now - started:.0f} s since it started (start-up allowance "
+                         f"{self.startup_s:.0f} s)", restart=True)
+        self._since = now
+        return Fault("hang", f"no report from any rank for {silent:.0f} s (timeout "
+                     f"{self.timeout_s():.0f} s)", restart=True)
+
+
+START_SLACK_S = 1.5
+
+
+def newest_worker_start(agent_pid: int, now_monotonic: float) -> float | None:
+    """When the newest process under the local elastic agent started, on the monotonic clock
+    (None without a local agent, e.g. on a node that only heads the job)."""
+    import psutil
+
+    if agent_pid <= 0:
         return None
+    try:
+        created = [c.create_time() for c in psutil.Process(agent_pid).children(recursive=True)]
+    except psutil.Error:
+        return None
+    if not created:
+        return None
+    return now_monotonic - (time.time() - max(created))
 
 
 class AgentExitDetector:

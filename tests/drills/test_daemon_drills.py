@@ -89,6 +89,17 @@ def inject_when_running(d: DaemonProc, name: str, kind: str, rank: int) -> Path:
     return Path(job["run_dir"])
 
 
+def drill(d: DaemonProc, name: str, kind: str, rank: int,
+          *extra: str) -> tuple[Path, dict, list[dict]]:
+    """Starts job `name`, injects `kind` on `rank` once it runs, and waits for it to complete
+    (the recovery worked); returns its run directory, final status and events."""
+    start(d, name, *extra)
+    run_dir = inject_when_running(d, name, kind, rank=rank)
+    job = d.wait_state(name, "COMPLETED", "FAILED", timeout_s=600)
+    assert job["state"] == "COMPLETED", logs(d, name)
+    return run_dir, job, events(d, name)
+
+
 def assert_same_losses(run_dir: Path, want: dict[int, float]) -> None:
     got = losses(run_dir)
     assert sorted(got) == list(range(1, STEPS + 1))
@@ -99,13 +110,9 @@ def assert_same_losses(run_dir: Path, want: dict[int, float]) -> None:
 @pytest.mark.timeout(900)
 def test_hang_is_detected_with_stacks_killed_and_restarted(daemon, reference):
     name = "hang"
-    start(daemon, name)
-    run_dir = inject_when_running(daemon, name, "hang", rank=1)
-    job = daemon.wait_state(name, "COMPLETED", "FAILED", timeout_s=600)
-    assert job["state"] == "COMPLETED", logs(daemon, name)
+    run_dir, job, evs = drill(daemon, name, "hang", 1)
     assert (run_dir / "control" / "inject-done-1").read_text() == str(AT_STEP)
 
-    evs = events(daemon, name)
     hangs = [e for e in evs if e["kind"] == "fault" and e["cause"] == "hang"]
     assert len(hangs) == 1, [e["message"] for e in evs if e["kind"] == "fault"]
     hang = hangs[0]
@@ -124,13 +131,9 @@ def test_hang_is_detected_with_stacks_killed_and_restarted(daemon, reference):
 @pytest.mark.timeout(900)
 def test_crashed_worker_group_is_restarted_and_matches(daemon, reference):
     name = "crash"
-    start(daemon, name)
-    run_dir = inject_when_running(daemon, name, "crash", rank=2)
-    job = daemon.wait_state(name, "COMPLETED", "FAILED", timeout_s=600)
-    assert job["state"] == "COMPLETED", logs(daemon, name)
+    run_dir, job, evs = drill(daemon, name, "crash", 2)
     assert job["restarts"] == 1
     assert (run_dir / "control" / "inject-done-1").read_text() == str(AT_STEP)
-    evs = events(daemon, name)
     rec = [e for e in evs if e["kind"] == "recovery"]
     assert [e["cause"] for e in rec] == ["worker_exit"], [e["message"] for e in evs]
     injected = [e for e in evs if e["kind"] == "fault" and e["cause"] == "injected_crash"]
@@ -149,12 +152,8 @@ def test_straggler_is_named_and_exported_per_rank(daemon, reference):
     import urllib.request
 
     name = "slow"
-    start(daemon, name, "--set", "train.timing_interval=2")
-    run_dir = inject_when_running(daemon, name, "slow", rank=2)
-    job = daemon.wait_state(name, "COMPLETED", "FAILED", timeout_s=600)
-    assert job["state"] == "COMPLETED", logs(daemon, name)
+    run_dir, job, evs = drill(daemon, name, "slow", 2, "--set", "train.timing_interval=2")
     assert job["restarts"] == 0
-    evs = events(daemon, name)
     slow = [e for e in evs if e["kind"] == "diagnosis" and e["cause"] == "straggler"]
     assert len(slow) == 1, [e["message"] for e in evs if e["kind"] == "diagnosis"]
     # rank 3, its tensor-parallel peer, waits for it inside forward: it may look slow too
@@ -182,11 +181,7 @@ def test_nan_rolls_back_through_the_daemon(daemon, reference):
     completes, the fault and the recovery are events, steps before the rollback point keep
     the reference losses and none after it is NaN."""
     name = "nan"
-    start(daemon, name)
-    run_dir = inject_when_running(daemon, name, "nan", rank=1)
-    job = daemon.wait_state(name, "COMPLETED", "FAILED", timeout_s=600)
-    assert job["state"] == "COMPLETED", logs(daemon, name)
-    evs = events(daemon, name)
+    run_dir, job, evs = drill(daemon, name, "nan", 1)
     nan = [e for e in evs if e["kind"] == "fault" and e["cause"] == "nan"]
     assert sorted(e["rank"] for e in nan) == [0, 1, 2, 3]  # every rank agreed on it
     assert {e["step"] for e in nan} == {AT_STEP}, [e["message"] for e in nan]
@@ -217,11 +212,7 @@ def test_loss_spike_rolls_back_past_it_and_skips_its_window(daemon):
     job rolls back to the one before it and skips the spike's 3 batches. It completes, and
     every step's loss equals a run that skipped the same window from the start."""
     name, last = "spike", AT_STEP + PATIENCE - 1
-    start(daemon, name, *SPIKE_SETS)
-    run_dir = inject_when_running(daemon, name, "spike", rank=3)
-    job = daemon.wait_state(name, "COMPLETED", "FAILED", timeout_s=600)
-    assert job["state"] == "COMPLETED", logs(daemon, name)
-    evs = events(daemon, name)
+    run_dir, job, evs = drill(daemon, name, "spike", 3, *SPIKE_SETS)
     spikes = [e for e in evs if e["kind"] == "fault" and e["cause"] == "spike"]
     assert sorted(e["rank"] for e in spikes) == [0, 1, 2, 3]  # every rank agreed on it
     assert {e["step"] for e in spikes} == {last}, [e["message"] for e in spikes]
