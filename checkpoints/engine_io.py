@@ -162,9 +162,10 @@ class CheckpointManager:
         params = list(engine.module.parameters())
         numel = sum(p.numel() for p in params)
         shard = numel // self.me.dp if self.cfg.parallel.zero_stage >= 1 else numel
-        nbytes = int((sum(p.numel() * p.element_size() for p in params) + 12 * shard) * 1.1)
-        self.snapshot.reserve_pinned(nbytes + (64 << 20))
-        return nbytes + (64 << 20)
+        nbytes = int((sum(p.numel() * p.element_size() for p in params) + 12 * shard) * 1.1) \
+            + (64 << 20)
+        self.snapshot.reserve_pinned(nbytes)
+        return nbytes
 
     def save(self, engine, step: int, client_state: dict[str, Any], tokens_seen: int,
              data_position: dict[str, Any]) -> float:

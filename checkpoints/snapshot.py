@@ -168,16 +168,23 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         return buf
 
     def _new_buffer(self, t: torch.Tensor) -> torch.Tensor | None:
-        if self._arena_thread is None:  # no arena asked for: one buffer per tensor
-            return torch.empty(t.shape, dtype=t.dtype, device="cpu",
-                               pin_memory=t.device.type == "cuda")
-        if self._arena is None:
-            return None
+        """A host buffer for `t`: carved from the arena when one was asked for (None while it
+        is still being reserved), else (or when the estimate was short) one of its own."""
+        if self._arena_thread is not None:
+            if self._arena is None:
+                return None
+            carved = self._carve(t)
+            if carved is not None:
+                return carved
+        return torch.empty(t.shape, dtype=t.dtype, device="cpu",
+                           pin_memory=t.device.type == "cuda")
+
+    def _carve(self, t: torch.Tensor) -> torch.Tensor | None:
+        assert self._arena is not None
         nbytes = t.numel() * t.element_size()
         start = -(-self._arena_used // 256) * 256  # aligned for every dtype and fast DMA
-        if nbytes == 0 or start + nbytes > len(self._arena):  # the estimate was short
-            return torch.empty(t.shape, dtype=t.dtype, device="cpu",
-                               pin_memory=t.device.type == "cuda")
+        if nbytes == 0 or start + nbytes > len(self._arena):
+            return None
         self._arena_used = start + nbytes
         # a tensor of its own storage over just these bytes: torch.save writes a view's whole
         # storage, and refuses one storage viewed as several dtypes

@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from ds3d.trainer.config import JobConfig
-from ds3d.trainer.oom import CgroupMemory
+from ds3d.trainer.oom import CgroupMemory, memory_knobs
 
 from .detectors import Fault, agent_error
 from .reports import Observation
@@ -105,11 +105,7 @@ def diagnose(rank: int, ev: dict[str, Any], also: list[int] | None = None) -> st
 
 def config_evidence(cfg: JobConfig) -> dict[str, Any]:
     """The knobs of a job, for an OOM the worker could not report (a kernel OOM kill)."""
-    t, p, m = cfg.train, cfg.parallel, cfg.model
-    return {"micro_batch_size": t.micro_batch_size, "seq_len": m.seq_len,
-            "activation_checkpoint_interval": p.activation_checkpoint_interval, "pp": p.pp,
-            "tp": p.tp, "dp": p.dp, "zero_stage": p.zero_stage, "n_layers": m.n_layers,
-            "n_heads": m.n_heads, "phase": "kernel"}
+    return {**memory_knobs(cfg), "phase": "kernel"}
 
 
 class OomDetector:

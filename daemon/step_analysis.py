@@ -26,6 +26,10 @@ BUBBLE_TARGET = 0.15           # the seed's tuning targets
 REDUCE_TO_FORWARD_TARGET = 0.30
 
 
+# the parts of a sampled step's split (trainer/step_timing.py), each a ds3d_step_time_split_seconds
+SPLIT_PARTS = ("forward", "backward", "optimizer", "p2p_wait", "dp_reduce", "data")
+
+
 class StepAnalysis:
     def __init__(self, straggler_factor: float = 1.5, straggler_min_gap_s: float = 0.05,
                  cooldown_s: float = 600.0) -> None:
@@ -133,8 +137,7 @@ class StepAnalysis:
         for stage, ss in sorted(stages.items()):
             row: dict[str, Any] = {"stage": stage, "ranks": len(ss),
                                    "step": max(s["step"] for s in ss)}
-            for part in ("forward", "backward", "optimizer", "p2p_wait", "dp_reduce", "data",
-                         "compute_s", "step_s"):
+            for part in (*SPLIT_PARTS, "compute_s", "step_s"):
                 row[part] = max(float(s.get(part, 0.0)) for s in ss)
             bubbles = [float(s["bubble"]) for s in ss if "bubble" in s]
             ratios = [float(s["reduce_to_forward"]) for s in ss if "reduce_to_forward" in s]
@@ -147,14 +150,11 @@ class StepAnalysis:
         for rank in self._exported - set(self.splits):  # ranks of a group that is gone
             metrics.rank_step_seconds.remove(job, str(rank))
         self._exported = set(self.splits)
-        per_stage: dict[tuple[int, str], float] = {}
         for rank, s in self.splits.items():
             metrics.rank_step_seconds.labels(job, str(rank)).set(s["compute_s"])
-            for part in ("forward", "backward", "optimizer", "p2p_wait", "dp_reduce", "data"):
-                key = (s["stage"], part)
-                per_stage[key] = max(per_stage.get(key, 0.0), float(s.get(part, 0.0)))
-        for (stage, part), value in per_stage.items():
-            metrics.step_split.labels(job, str(stage), part).set(value)
+        for row in self.per_stage():
+            for part in SPLIT_PARTS:
+                metrics.step_split.labels(job, str(row["stage"]), part).set(row[part])
         bubble = self.bubble()
         if bubble is not None:
             metrics.bubble.labels(job, "measured").set(bubble[0])

@@ -152,6 +152,16 @@ def _phase(tb) -> str:
     return phase
 
 
+def memory_knobs(cfg) -> dict[str, Any]:
+    """The job settings that decide memory use, which the diagnosis's fix refers to (also what
+    the daemon knows of an OOM-killed worker that could not report, daemon/oom.py)."""
+    t, p, m = cfg.train, cfg.parallel, cfg.model
+    return {"pp": p.pp, "tp": p.tp, "dp": p.dp, "zero_stage": p.zero_stage,
+            "micro_batch_size": t.micro_batch_size, "seq_len": m.seq_len,
+            "n_layers": m.n_layers, "n_heads": m.n_heads,
+            "activation_checkpoint_interval": p.activation_checkpoint_interval}
+
+
 def oom_evidence(exc: BaseException, cfg, device, last_step: int | None,
                  layout=None) -> dict[str, Any]:
     """The `oom` fault record's fields: where (stage, step, phase), what (the error, the
@@ -164,16 +174,11 @@ def oom_evidence(exc: BaseException, cfg, device, last_step: int | None,
     step = None if last_step is None else last_step + (phase in ("step", "train"))
     message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     message = re.sub(r"^\[enforce fail at [^\]]*\] (err == 0\. )?", "", message)
-    t, p = cfg.train, cfg.parallel
     ev: dict[str, Any] = {
         "step": step, "phase": phase, "error": message[:300],
         "error_type": type(exc).__name__, "device": str(device),
         "stage": layout.stage if layout is not None else None,
-        "pp": p.pp, "tp": p.tp, "dp": p.dp, "zero_stage": p.zero_stage,
-        "micro_batch_size": t.micro_batch_size, "seq_len": cfg.model.seq_len,
-        "n_layers": cfg.model.n_layers, "n_heads": cfg.model.n_heads,
-        "activation_checkpoint_interval": p.activation_checkpoint_interval,
-        "requested_bytes": requested_bytes(str(exc)),
+        **memory_knobs(cfg), "requested_bytes": requested_bytes(str(exc)),
     }
     if device.type == "cuda":
         ev["peak_bytes"] = int(torch.cuda.max_memory_allocated(device))

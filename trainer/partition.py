@@ -104,6 +104,10 @@ def method_boundaries(cfg: JobConfig) -> list[int]:
     return keep_embedding_company(deepspeed_balanced(layer_param_counts(cfg.model), p.pp))
 
 
+# layers stage 0 holds at least: the embedding and a transformer block (keep_embedding_company)
+FIRST_STAGE_MIN_LAYERS = 2
+
+
 def keep_embedding_company(parts: Sequence[int]) -> list[int]:
     """Moves the first boundary so that stage 0 holds a transformer block besides the embedding,
     shifting later boundaries as needed. A first stage of the embedding alone hangs DeepSpeed's
@@ -111,8 +115,8 @@ def keep_embedding_company(parts: Sequence[int]) -> list[int]:
     stages wait in the optimizer's grad-norm all-reduce); the parameter balance picks exactly
     that split when the vocabulary is large."""
     out = list(parts)
-    if len(out) > 2 and out[1] < 2:
-        out[1] = 2
+    if len(out) > 2 and out[1] < FIRST_STAGE_MIN_LAYERS:
+        out[1] = FIRST_STAGE_MIN_LAYERS
         for k in range(2, len(out) - 1):
             out[k] = max(out[k], out[k - 1] + 1)
     return out
@@ -134,7 +138,7 @@ def check_runnable(parts: Sequence[int], n_layers: int, stages: int) -> str | No
     """`check_boundaries`, and what DeepSpeed can run: not the embedding alone on stage 0
     (keep_embedding_company)."""
     problem = check_boundaries(parts, n_layers, stages)
-    if problem is None and stages > 1 and parts[1] < 2:
+    if problem is None and stages > 1 and parts[1] < FIRST_STAGE_MIN_LAYERS:
         problem = "stage 0 needs a transformer block besides the embedding"
     return problem
 
@@ -377,7 +381,7 @@ def propose(costs: Sequence[LayerCost], current: Sequence[int], micro_batches: i
             static_bytes=[c.params * memory.bytes_per_param for c in costs] if memory else None,
             activation_bytes=[c.activation_bytes for c in costs] if memory else None,
             limit_bytes=memory.limit_bytes if memory else None,
-            first_at_least=2)  # keep_embedding_company
+            first_at_least=FIRST_STAGE_MIN_LAYERS)
     except PartitionError:
         best = list(current)
     now = predict(costs, current, micro_batches, memory)
