@@ -69,8 +69,12 @@ class CheckpointManager:
         self.local_dir = Path(cfg.checkpoint.local_dir or Path(run_dir) / "ckpt")
         self.local_dir.mkdir(parents=True, exist_ok=True)
         url = job_store_url(cfg.checkpoint.store, cfg.name, run_dir)
-        self.storage: Storage = open_storage(
-            url, **(cfg.checkpoint.s3.options() if url.startswith("s3://") else {}))
+        options: dict[str, Any] = {}
+        if url.startswith("s3://"):
+            from .s3_storage import options_from_settings
+
+            options = options_from_settings(cfg.checkpoint.s3.model_dump())
+        self.storage: Storage = open_storage(url, **options)
         self.catalog = Catalog(self.storage, self.local_dir)
         self.uploader = Uploader(self.storage, self.local_dir, me.rank, me.world_size,
                                  on_event=self._on_upload_event)

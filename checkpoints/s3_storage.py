@@ -203,8 +203,8 @@ ENV_OPTIONS: dict[str, tuple[str, int, float]] = {
 
 
 def options_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """S3Storage options set through `ENV_OPTIONS` (how a job's workers get transfer settings
-    without a config field); a bad value is a ConfigError naming the variable."""
+    """S3Storage options set through `ENV_OPTIONS` (ds3dd's node-wide transfer settings, under a
+    job's `[checkpoint.s3]`); a bad value is a ConfigError naming the variable."""
     env = os.environ if environ is None else environ
     out: dict[str, Any] = {}
     for var, (option, unit, least) in ENV_OPTIONS.items():
@@ -217,11 +217,23 @@ def options_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]
             raise ConfigError(f"{var}={raw!r}: expected a number") from None
         if not math.isfinite(value) or value < least:
             raise ConfigError(f"{var}={raw!r}: must be at least {least:g}")
-        if option == "max_bandwidth" and value == 0:
-            out[option] = None  # 0 = unlimited
-        else:
-            out[option] = int(value * unit)
+        out[option] = _option_value(option, unit, value)
     return out
+
+
+def options_from_settings(settings: Mapping[str, float | None]) -> dict[str, Any]:
+    """S3Storage options from a job's `[checkpoint.s3]` (its fields are the variable names of
+    `ENV_OPTIONS` without the DS3D_S3_ prefix, lower case; bounds checked by the config)."""
+    out: dict[str, Any] = {}
+    for var, (option, unit, _least) in ENV_OPTIONS.items():
+        value = settings.get(var.removeprefix("DS3D_S3_").lower())
+        if value is not None:
+            out[option] = _option_value(option, unit, float(value))
+    return out
+
+
+def _option_value(option: str, unit: int, value: float) -> int | None:
+    return None if option == "max_bandwidth" and value == 0 else int(value * unit)  # 0: no cap
 
 
 class UploadJournal:

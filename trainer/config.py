@@ -137,8 +137,9 @@ class DataConfig(_Section):
 
 class S3TransferConfig(_Section):
     """How the job's workers move checkpoints to an `s3://` store; unset fields fall back to the
-    `DS3D_S3_*` environment of ds3dd, then to the built-in defaults. Credentials and endpoints
-    never come from here (the daemon's environment)."""
+    `DS3D_S3_*` environment of ds3dd (the same names, upper case), then to the built-in
+    defaults (checkpoints/s3_storage.py: options_from_settings). Credentials and endpoints never
+    come from here (the daemon's environment)."""
 
     multipart_threshold_mib: float | None = Field(
         default=None, gt=0, description="files from this size up are resumable multipart uploads")
@@ -150,22 +151,6 @@ class S3TransferConfig(_Section):
     max_attempts: int | None = Field(default=None, ge=1, description="botocore attempts per request")
     outage_retries: int | None = Field(
         default=None, ge=0, description="whole-operation retries (backoff) through an outage")
-
-    def options(self) -> dict[str, int | None]:
-        """S3Storage options of the fields that are set (bytes where the storage wants bytes)."""
-        mib = 1 << 20
-        out: dict[str, int | None] = {}
-        for name, option, unit in (("multipart_threshold_mib", "multipart_threshold", mib),
-                                   ("multipart_chunksize_mib", "multipart_chunksize", mib),
-                                   ("max_concurrency", "max_concurrency", 1),
-                                   ("max_bandwidth_mib", "max_bandwidth", mib),
-                                   ("max_attempts", "max_attempts", 1),
-                                   ("outage_retries", "outage_retries", 1)):
-            value = getattr(self, name)
-            if value is not None:
-                out[option] = None if option == "max_bandwidth" and value == 0 else \
-                    int(value * unit)
-        return out
 
 
 class CheckpointConfig(_Section):

@@ -130,3 +130,16 @@ def test_user_deepspeed_json_is_merged(tmp_path):
     assert ds["zero_optimization"] == {"stage": 1, "reduce_bucket_size": 1000}
     assert ds["gradient_clipping"] == 0.5
     assert ds["train_batch_size"] == 8 and ds["gradient_accumulation_steps"] == 4
+
+
+def test_checkpoint_s3_fields_are_the_daemon_environment_settings():
+    """Every `[checkpoint.s3]` field reaches S3Storage (a field missing from the table would be
+    silently ignored), under the name of its DS3D_S3_* variable."""
+    from ds3d.checkpoints.s3_storage import ENV_OPTIONS, options_from_settings
+    from ds3d.trainer.config import S3TransferConfig
+
+    names = {var.removeprefix("DS3D_S3_").lower() for var in ENV_OPTIONS}
+    assert names == set(S3TransferConfig.model_fields)
+    cfg = S3TransferConfig(multipart_chunksize_mib=8, max_bandwidth_mib=0, outage_retries=2)
+    assert options_from_settings(cfg.model_dump()) == {
+        "multipart_chunksize": 8 << 20, "max_bandwidth": None, "outage_retries": 2}
