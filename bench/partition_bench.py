@@ -1,20 +1,21 @@
 """Pipeline partition by parameters, uniform and measured, on CPU: per-stage time and step time.
 
-One deliberately unbalanced GPT: 8 blocks of d = 128 with 64-wide MLPs and a 1024-wide one in
-the last block, 512-token sequences, a vocabulary of 8192 (PP = 2) or 4096 (PP = 4). Parameter
+One deliberately unbalanced GPT: 8 blocks of d = 128, the first two with 1024-wide MLPs and the
+other six 64-wide, 512-token sequences, a vocabulary of 8192 (PP = 2) or 4096 (PP = 4). Parameter
 counts mislead three ways: the embedding holds as many parameters as the head but costs almost
 nothing, the head also computes the loss, and attention cost (quadratic in the sequence) has no
-parameters, so the narrow blocks cost far more than their parameters say. Each pipeline depth
+parameters, so the narrow blocks cost far more than their parameters say and the wide ones less. Each pipeline depth
 runs, in this one invocation, under torchrun with gloo:
 
   parameters  DeepSpeed's parameter-balanced split (what "measured" starts from)
   uniform     the same number of blocks per stage
-  measured    partition_method = "measured": profiles steps 2-4, checkpoints, ends with reason
+  measured    partition_method = "measured": profiles steps 2-6 (2 unhooked calibration steps,
+              3 with the layer hooks), checkpoints, ends with reason
               `repartition`; the next start (the restart the daemon would do) restores the
               checkpoint into the measured split and trains on
 
 Per-stage time is the stage's forward + backward time per step (the trainer's step-time split,
-`train.timing_interval = 1`), the median over steps 6..N on each rank (every process skips its
+`train.timing_interval = 1`), the median over steps 9..N on each rank (every process skips its
 first steps: allocation, first-touch); step time is the median of rank 0's step times over the
 same steps. `predicted` applies trainer/partition.py's model to the costs measured in the
 "measured" run's profile.
@@ -38,12 +39,12 @@ from pathlib import Path
 from typing import Any
 
 MODEL = ["model.n_layers=8", "model.d_model=128", "model.n_heads=4", "model.seq_len=512",
-         "model.layer_d_ff=[64,64,64,64,64,64,64,1024]", "train.micro_batch_size=1",
+         "model.layer_d_ff=[1024,1024,64,64,64,64,64,64]", "train.micro_batch_size=1",
          "train.warmup_steps=2", "train.timing_interval=1"]
 # the head (with the loss) grows with the vocabulary; with 4 stages a smaller one, so that the
 # head alone is not the slowest stage of every split
 VOCAB = {2: 8192, 4: 4096}
-FIRST_MEASURED = 6  # steps before this are warm-up (and, for "measured", profile + restart)
+FIRST_MEASURED = 9  # steps before this are warm-up (and, for "measured", profile + restart)
 
 
 LOADS: list[dict[str, Any]] = []  # 1-minute load average around every run (shared machines)
@@ -133,6 +134,8 @@ def bench_pp(pp: int, steps: int, micro_batches: int, root: Path) -> dict[str, A
         "first_run_s": round(first, 1), "restart_run_s": round(second, 1)}
     print(f"pp={pp} measured: {out['runs']['measured']}", flush=True)
 
+    out["calibration"] = {f"stage {r['stage']}": r["calibration"]
+                          for rank in range(pp) for r in records(run, rank, "profile")}
     costs_doc = json.loads((run / "profile" / "layer-costs.json").read_text())
     costs = [LayerCost(c["layer"], c["forward_s"], c["backward_s"], c["params"],
                        c["activation_bytes"]) for c in costs_doc["layers"]]
@@ -158,7 +161,7 @@ def bench_pp(pp: int, steps: int, micro_batches: int, root: Path) -> dict[str, A
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pp", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--steps", type=int, default=14)
+    ap.add_argument("--steps", type=int, default=18)
     ap.add_argument("--micro-batches", type=int, default=8)
     ap.add_argument("--out", type=Path, default=Path("bench/results/partition.json"))
     args = ap.parse_args()

@@ -18,8 +18,8 @@ from pydantic import ValidationError
 
 from ds3d.trainer.config import JobConfig, explain, validate_job
 from ds3d.trainer.errors import ConfigError, NotFoundError, StateError
-from ds3d.trainer.partition import (LayerCost, Proposal, current_partition, fmt_boundaries,
-                                    memory_model, merge_profile_records, propose)
+from ds3d.trainer.partition import (CALIBRATION_STEPS, LayerCost, Proposal, current_partition,
+                                    fmt_boundaries, memory_model, merge_profile_records, propose)
 
 from .jobdir import INJECT_KINDS, JobDir
 from .peers import PeerClient, check_peer_address
@@ -235,7 +235,7 @@ class JobService:
 
     def _request_profile(self, job: Job, cfg: JobConfig) -> str:
         """Why there is no answer yet, after asking a running job's workers for a profile."""
-        name, steps = job.name, cfg.parallel.partition_profile_steps
+        name, steps = job.name, CALIBRATION_STEPS + cfg.parallel.partition_profile_steps
         if job.state is JobState.RUNNING and job.desired_state is JobState.RUNNING:
             pending = job.command_action == "profile" and job.command_acked < job.command_id
             if not pending:

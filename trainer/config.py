@@ -71,8 +71,9 @@ class ParallelConfig(_Section):
         "boundaries) if the measured split's slowest stage is faster by more than "
         "partition_threshold (see docs/pipeline-partition.md)")
     partition_profile_steps: int = Field(
-        default=3, ge=1, le=100, description="steps timed per layer profile (after one warm-up "
-        "step); measured partition and `ds3dctl rebalance`")
+        default=3, ge=1, le=100, description="steps timed with layer hooks per profile (after "
+        "one warm-up step and 2 unhooked calibration steps); measured partition and `ds3dctl "
+        "rebalance`")
     partition_threshold: float = Field(
         default=0.05, ge=0, lt=1, description="re-partition only if the measured split's slowest "
         "stage is faster than the current one's by more than this share")

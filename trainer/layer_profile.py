@@ -19,8 +19,15 @@ Times come from `time.perf_counter` on CPU and CUDA events on GPU (resolved afte
 the device is not synchronised inside it). They are per micro-batch: the step's total divided by
 the micro-batches, the median over the sampled steps.
 
+The hooks cost time themselves (on CPU the hooked steps ran ~40% slower, not evenly over the
+stages), so the profile is calibrated: a few unhooked steps time only the stage's ForwardPass and
+BackwardPass instructions, and each stage's layer times are scaled so that they add up to what the
+stage takes without hooks. The profile says how a stage's time divides among its layers; the
+unhooked steps say how long the stage takes.
+
 `PartitionTuner` decides when to profile (once, after a warm-up step, for
-`partition_method = "measured"`; or on the daemon's `profile` command), gathers every rank's
+`partition_method = "measured"`; or on the daemon's `profile` command): CALIBRATION_STEPS unhooked
+steps, then `partition_profile_steps` hooked ones. It gathers every rank's
 layers when the window ends (one all_gather_object, at the same step on every rank), writes
 `RUN_DIR/profile/layer-costs.json` (rank 0) and one `profile` report record per rank (the daemon
 merges those, from every node), and proposes a partition (trainer/partition.py).
@@ -39,7 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .config import JobConfig
-from .partition import (MemoryModel, Proposal, bytes_per_param, check_runnable, costs_json,
+from .partition import (CALIBRATION_STEPS, MemoryModel, Proposal, bytes_per_param, check_runnable, costs_json,
                         layer_names, merge_profile_records, propose, write_layer_costs,
                         write_partition_file)
 
@@ -79,6 +86,7 @@ class LayerProfiler:
         self.clock = _Clock(device)
         self.recompute = recompute
         self.steps: list[dict[int, tuple[float, float]]] = []  # per sampled step, per micro-batch
+        self.unhooked: list[float] = []  # the stage's forward + backward per micro-batch, no hooks
         self.activation_bytes: dict[int, int] = {}
         self.micro_batches = 0
         self._handles: list[Any] = []
@@ -86,6 +94,7 @@ class LayerProfiler:
         self._marks: list[tuple[int, Mark]] = []
         self._instr: list[tuple[str, Mark, list[tuple[int, Mark]], Mark]] = []
         self._saved_map: Any = None
+        self._hooked = True
         self._measure_memory = False
         self._mem_ctx: Any = None
         self._mem_seen: set[int] = set()
@@ -93,17 +102,20 @@ class LayerProfiler:
 
     # -- window -------------------------------------------------------------------------------
 
-    def begin(self) -> None:
-        """Attaches the hooks for one step."""
+    def begin(self, hooks: bool = True) -> None:
+        """Attaches the hooks for one step; `hooks=False` times only the stage's forward and
+        backward instructions (a calibration step)."""
         from deepspeed.runtime.pipe import schedule
 
         self._instr, self.micro_batches = [], 0
-        self._measure_memory = True
-        self._param_storage = {p.untyped_storage().data_ptr()
-                               for p in self.engine.module.parameters()}
-        for idx, layer in self.layers:
-            self._handles.append(layer.register_forward_pre_hook(self._pre_hook(idx)))
-            self._handles.append(layer.register_forward_hook(self._post_hook(idx)))
+        self._hooked = hooks
+        self._measure_memory = hooks
+        if hooks:
+            self._param_storage = {p.untyped_storage().data_ptr()
+                                   for p in self.engine.module.parameters()}
+            for idx, layer in self.layers:
+                self._handles.append(layer.register_forward_pre_hook(self._pre_hook(idx)))
+                self._handles.append(layer.register_forward_hook(self._post_hook(idx)))
         self._saved_map = self.engine.__dict__.get("_INSTRUCTION_MAP")
         table = dict(self.engine._INSTRUCTION_MAP)  # the StepTimer's wrappers, if any, stay inside
         table[schedule.ForwardPass] = self._wrap(table[schedule.ForwardPass], "forward")
@@ -121,6 +133,12 @@ class LayerProfiler:
             self.engine._INSTRUCTION_MAP = self._saved_map
         self._exit_memory()
         self.clock.settle()
+        if not self._hooked:
+            m = sum(1 for phase, *_ in self._instr if phase == "forward")
+            total = sum(self.clock.seconds(start, stop) for _, start, _, stop in self._instr)
+            self.unhooked.append(total / max(1, m))
+            self._instr = []
+            return
         fwd = {idx: 0.0 for idx, _ in self.layers}
         bwd = dict(fwd)
         backward_total = 0.0
@@ -146,19 +164,30 @@ class LayerProfiler:
         self.steps.append({idx: (fwd[idx] / m, bwd[idx] / m) for idx in fwd})
         self._instr = []
 
+    def calibration(self) -> dict[str, float]:
+        """The stage's forward + backward per micro-batch as the hooked steps measured it and as
+        the unhooked ones did, and their ratio (1 without unhooked steps)."""
+        hooked = statistics.median(sum(f + b for f, b in s.values()) for s in self.steps)
+        plain = statistics.median(self.unhooked) if self.unhooked else hooked
+        scale = plain / hooked if hooked > 0 and plain > 0 else 1.0
+        return {"hooked_s": round(hooked, 6), "unhooked_s": round(plain, 6),
+                "scale": round(scale, 4)}
+
     def summary(self) -> list[dict[str, Any]]:
-        """One row per layer of this stage: the median over the sampled steps."""
+        """One row per layer of this stage: the median over the sampled steps, scaled by the
+        calibration."""
+        scale = self.calibration()["scale"]
         out = []
         for idx, _ in self.layers:
             out.append({"layer": idx,
-                        "forward_s": statistics.median(s[idx][0] for s in self.steps),
-                        "backward_s": statistics.median(s[idx][1] for s in self.steps),
+                        "forward_s": scale * statistics.median(s[idx][0] for s in self.steps),
+                        "backward_s": scale * statistics.median(s[idx][1] for s in self.steps),
                         "params": self.params[idx],
                         "activation_bytes": self.activation_bytes.get(idx, 0)})
         return out
 
     def reset(self) -> None:
-        self.steps, self.activation_bytes = [], {}
+        self.steps, self.unhooked, self.activation_bytes = [], [], {}
 
     # -- hooks --------------------------------------------------------------------------------
 
@@ -223,8 +252,8 @@ class LayerProfiler:
 
 class PartitionTuner:
     """When to profile, and what the profile proposes. Every rank holds one and calls
-    `before_step` / `after_step` around every step; the window (a warm-up step, then
-    `partition_profile_steps` sampled steps) is counted in steps run, so all ranks end it at the
+    `before_step` / `after_step` around every step; the window (a warm-up step, CALIBRATION_STEPS
+    unhooked steps, then `partition_profile_steps` hooked ones) is counted in steps run, so all ranks end it at the
     same step, also after an in-process rollback."""
 
     def __init__(self, cfg: JobConfig, run_dir: Path, step_fn: Any, layout: Any, rank: int,
@@ -240,10 +269,10 @@ class PartitionTuner:
                                       cfg.parallel.activation_checkpoint_interval > 0) \
             if self.enabled else None
         self.source: str | None = None  # "auto" | "request" while a window is open
-        self._warmup = 0
+        self._warmup = self._calibrate = 0
         self._sampling = False
         if auto and self.enabled:
-            self.source, self._warmup = "auto", 1
+            self.source, self._warmup, self._calibrate = "auto", 1, CALIBRATION_STEPS
 
     @property
     def active(self) -> bool:
@@ -254,14 +283,14 @@ class PartitionTuner:
         if not self.enabled:
             return False
         if self.source is None:
-            self.source, self._warmup = "request", 0
+            self.source, self._warmup, self._calibrate = "request", 0, CALIBRATION_STEPS
         return True
 
     def before_step(self) -> None:
         if self.source is None or self._warmup > 0:
             return
         assert self.profiler is not None
-        self.profiler.begin()
+        self.profiler.begin(hooks=self._calibrate == 0)
         self._sampling = True
 
     def after_step(self, step: int) -> tuple[str, Proposal | None] | None:
@@ -275,6 +304,9 @@ class PartitionTuner:
         if self._sampling:
             self.profiler.end()
             self._sampling = False
+        if self._calibrate > 0:
+            self._calibrate -= 1
+            return None
         if len(self.profiler.steps) < self.cfg.parallel.partition_profile_steps:
             return None
         source, self.source = self.source, None
@@ -337,6 +369,7 @@ class PartitionTuner:
         mine = {"kind": "profile", "step": step, "stage": self.layout.stage,
                 "partition": self.parts, "micro_batches": self.micro_batches,
                 "steps_sampled": len(self.profiler.steps), "source": source,
+                "calibration": self.profiler.calibration(),
                 "bytes_per_param": mem.bytes_per_param, "memory_limit_bytes": mem.limit_bytes,
                 "layers": self.profiler.summary(), "time": round(time.time(), 3)}
         self.profiler.reset()

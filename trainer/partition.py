@@ -32,6 +32,8 @@ from typing import Any
 from .config import JobConfig, ModelConfig
 from .fileio import atomic_write_text
 
+CALIBRATION_STEPS = 2  # unhooked steps of a profile window, timing each stage's total (layer_profile)
+
 PARTITION_FILE = "partition.json"
 PROFILE_DIR = "profile"
 LAYER_COSTS_FILE = "layer-costs.json"

@@ -1,8 +1,8 @@
 """Pipeline partition from measurement, with real workers (DeepSpeed on CPU/gloo, PP = 2).
 
 * `partition_method = "measured"` under torchrun: the job starts on the parameter-balanced split,
-  profiles its layers on steps 2-4, finds a faster split, checkpoints and ends with reason
-  `repartition`; the next start restores that checkpoint into the new stage boundaries
+  profiles its layers on steps 2-6 (2 unhooked calibration steps, 3 hooked), finds a faster
+  split, checkpoints and ends with reason `repartition`; the next start restores that checkpoint into the new stage boundaries
   (universal checkpoint) and its losses equal an uninterrupted run on the final split.
 * `ds3dctl rebalance` through a real ds3dd: without a profile it refuses and has the running
   workers profile; `--dry-run` then prints both partitions; without it the workers restart on the
@@ -40,9 +40,9 @@ PARAMETERS = method_boundaries(build_job_config("tiny", SETS))  # where "measure
 @pytest.mark.timeout(600)
 def test_measured_partition_restarts_on_the_measured_split(tmp_path):
     run, ref = tmp_path / "run", tmp_path / "ref"
-    torchrun(run, 2, sets=SETS)  # profiles steps 2-4, then checkpoints and exits
+    torchrun(run, 2, sets=SETS)  # profiles steps 2-6, then checkpoints and exits
     done = records(run, 0, "done")
-    assert [(d["step"], d["reason"]) for d in done] == [(4, "repartition")]
+    assert [(d["step"], d["reason"]) for d in done] == [(6, "repartition")]
     decided = json.loads((run / "partition.json").read_text())
     new = decided["boundaries"]
     assert decided["source"] == "measured" and decided["decision"] == "applied"
@@ -62,7 +62,7 @@ def test_measured_partition_restarts_on_the_measured_split(tmp_path):
     torchrun(run, 2, sets=SETS)  # the next start: new boundaries, checkpoint reshaped
     starts = records(run, 0, "start")
     assert [(s["step"], s["partition"], s["partition_source"]) for s in starts] == \
-        [(0, PARAMETERS, "parameters"), (4, new, "measured")]
+        [(0, PARAMETERS, "parameters"), (6, new, "measured")]
     [reshaped] = [r for r in records(run, 0, "checkpoint") if r["phase"] == "reshaped"]
     assert f"stages {PARAMETERS} -> {new}" in reshaped["detail"]
     assert not records(run, 0, "profile")[1:], "a decided partition is not profiled again"
@@ -100,7 +100,7 @@ def test_rebalance_through_the_daemon(daemon):
     r = daemon.ctl("rebalance", "rb", "--dry-run")  # no profile yet: refused, profiling asked
     assert r.returncode == 2, r.stdout + r.stderr
     assert "FAILED_PRECONDITION" in r.stderr and "no layer profile yet" in r.stderr
-    assert "over the next 3 steps" in r.stderr
+    assert "over the next 5 steps" in r.stderr
 
     daemon.wait_for(
         "rb", lambda j: any(e["kind"] == "profile" for e in daemon.events("rb")),

@@ -221,7 +221,7 @@ class _Sleep:
         return Layer()
 
 
-def _fake_engine(costs, loss_s=0.0):
+def _fake_engine(costs, loss_s=0.0, hook_cost_s=0.0):
     import torch
     from deepspeed.runtime.pipe import schedule
 
@@ -242,6 +242,8 @@ def _fake_engine(costs, loss_s=0.0):
             x = torch.ones(4, requires_grad=True)
             for f in self.module.forward_funcs:
                 x = f(x)
+                if f._forward_pre_hooks:  # what hooks cost the profiled steps
+                    time.sleep(hook_cost_s)
             time.sleep(loss_s)
             self.outputs.append(x.sum())
 
@@ -286,6 +288,39 @@ def test_layer_profiler_measures_known_costs():
         assert rows[3 + i]["activation_bytes"] > 0
 
 
+def test_layer_profile_is_calibrated_by_unhooked_steps():
+    import torch
+
+    from ds3d.trainer.layer_profile import LayerProfiler
+
+    # hooked steps pay 30 ms per layer more than unhooked ones: the stage's layers are scaled
+    # back to what the stage takes without hooks
+    costs = [(0.016, 0.048), (0.040, 0.008), (0.008, 0.080)]
+    engine = _fake_engine(costs, loss_s=0.020, hook_cost_s=0.030)
+    prof = LayerProfiler(engine, torch.device("cpu"))
+    for hooks in (False, False, True, True, True):
+        prof.begin(hooks=hooks)
+        engine.run_step(2)
+        prof.end()
+    assert "_INSTRUCTION_MAP" not in engine.__dict__
+    assert len(prof.unhooked) == 2 and len(prof.steps) == 3
+    plain, hooked = 0.220, 0.220 + 3 * 0.030  # per micro-batch
+    cal = prof.calibration()
+    assert cal["unhooked_s"] == pytest.approx(plain, abs=0.012)
+    assert cal["hooked_s"] == pytest.approx(hooked, abs=0.012)
+    assert cal["scale"] == pytest.approx(plain / hooked, abs=0.05)
+    rows = prof.summary()
+    assert sum(r["forward_s"] + r["backward_s"] for r in rows) == pytest.approx(cal["unhooked_s"],
+                                                                                rel=1e-3)
+    # without calibration steps the profile is used as measured
+    prof.reset()
+    for _ in range(2):
+        prof.begin()
+        engine.run_step(1)
+        prof.end()
+    assert prof.calibration()["scale"] == 1.0
+
+
 # ---- the daemon's Rebalance (service + CLI text), on a store fed with profile records -------
 
 class _Supervisors:
@@ -328,7 +363,7 @@ def test_rebalance_without_profile_asks_running_workers(tmp_path):
         svc.rebalance("pj", dry_run=True)
     store.transition("pj", JobState.STARTING, "go")
     store.transition("pj", JobState.RUNNING, "go")
-    with pytest.raises(StateError, match=r"next 3 steps \(command 1\)"):
+    with pytest.raises(StateError, match=r"next 5 steps \(command 1\)"):
         svc.rebalance("pj", dry_run=True)
     job = store.get_job("pj")
     assert (job.command_id, job.command_action) == (1, "profile")
