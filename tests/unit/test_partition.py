@@ -308,8 +308,8 @@ def test_layer_profile_is_calibrated_by_unhooked_steps():
     # per micro-batch: 0.220 s of layers and loss, 0.090 s of hooks (sleeps on a loaded machine
     # wake late: a few ms each, 7 of them per micro-batch, never early)
     cal = prof.calibration()
-    assert cal["unhooked_s"] == pytest.approx(0.220 + 0.020, abs=0.025)
-    assert cal["hooked_s"] - cal["unhooked_s"] == pytest.approx(0.090, abs=0.02)
+    assert 0.218 <= cal["unhooked_s"] <= 0.220 + 0.060
+    assert 0.088 - 0.020 <= cal["hooked_s"] - cal["unhooked_s"] <= 0.090 + 0.060
     assert cal["scale"] == pytest.approx(cal["unhooked_s"] / cal["hooked_s"], abs=1e-3)
     rows = prof.summary()
     assert sum(r["forward_s"] + r["backward_s"] for r in rows) == pytest.approx(cal["unhooked_s"],
