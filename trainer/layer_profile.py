@@ -165,9 +165,11 @@ class LayerProfiler:
         self._instr = []
 
     def calibration(self) -> dict[str, float]:
-        """The stage's forward + backward per micro-batch as the hooked steps measured it and as
-        the unhooked ones did, and their ratio (1 without unhooked steps)."""
-        hooked = statistics.median(sum(f + b for f, b in s.values()) for s in self.steps)
+        """The stage's forward + backward per micro-batch as the hooked steps measured it (the
+        sum of the layers' medians, what `summary` reports) and as the unhooked ones did, and
+        their ratio (1 without unhooked steps)."""
+        hooked = sum(statistics.median(s[idx][0] for s in self.steps)
+                     + statistics.median(s[idx][1] for s in self.steps) for idx, _ in self.layers)
         plain = statistics.median(self.unhooked) if self.unhooked else hooked
         scale = plain / hooked if hooked > 0 and plain > 0 else 1.0
         return {"hooked_s": round(hooked, 6), "unhooked_s": round(plain, 6),
