@@ -7,6 +7,7 @@ returns the same metrics from either engine.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from dataclasses import dataclass
@@ -85,6 +86,34 @@ class StepResult:
     seconds: float
 
 
+def defer_deepspeed_compile() -> None:
+    """DeepSpeed's engine imports its Muon optimizer module, which decorates functions with
+    torch.compile at import time; that imports inductor (~2 s of CPU per process, measured on
+    every start and restart of every rank) for functions this trainer never calls. The
+    decorator is made lazy: the same torch.compile, applied at a function's first call."""
+    from deepspeed.runtime import compiler
+
+    eager = getattr(compiler, "compile", None)
+    if eager is None or getattr(eager, "deferred", False):
+        return
+
+    def compile_on_first_call(*args: Any, **kwargs: Any) -> Any:
+        def decorate(fn: Any) -> Any:
+            compiled = None
+
+            @functools.wraps(fn)
+            def run(*a: Any, **k: Any) -> Any:
+                nonlocal compiled
+                if compiled is None:
+                    compiled = eager()(fn, *args, **kwargs)
+                return compiled(*a, **k)
+            return run
+        return decorate
+
+    compile_on_first_call.deferred = True  # type: ignore[attr-defined]
+    compiler.compile = compile_on_first_call
+
+
 class TrainStep:
     """One optimizer step of the job, over this rank's micro-batches."""
 
@@ -92,6 +121,7 @@ class TrainStep:
                  load_universal: bool = False, parts: list[int] | None = None) -> None:
         import deepspeed
 
+        defer_deepspeed_compile()
         self.cfg, self.layout, self.device = cfg, layout, device
         self.pipelined = cfg.parallel.zero_stage < 2
         if self.pipelined:
