@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # What one device call runs on the lent GPU machine (its python3 has torch; DeepSpeed and the
-# small pure-Python dependencies travel as wheels in .wheels, built by ../shared/gpu/wheels.sh).
+# small pure-Python dependencies travel as wheels in .wheels, built by ../shared/gpu/wheels.sh,
+# plus tensorboard's for the event files and their test:
+#   pip download -q --no-deps -d .wheels --python-version 3.12 --platform manylinux2014_x86_64 \
+#     --only-binary=:all: tensorboard==2.21.0 absl-py markdown werkzeug tensorboard-data-server
 #   bash bench/gpu_run.sh smoke   # GPU tests + a small-model pass over every bench section
 #   bash bench/gpu_run.sh full    # the ~1.4B benchmark, results to $OUT/gpu.json
 set -uo pipefail

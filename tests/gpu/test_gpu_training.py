@@ -56,6 +56,14 @@ def test_fp16_overflow_is_skipped_by_the_loss_scaler_not_rolled_back(tmp_path):
     assert steps[5]["loss_scale"] <= steps[3]["loss_scale"]
     assert records(tmp_path, 0, "recovery") == []
     assert sorted(steps) == list(range(1, 11))
+    # the loss scale is in TensorBoard (fp16 only), read back by tensorboard's own reader
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    scale = {e.step: e.value for e in acc.Scalars("train/loss_scale")}
+    assert sorted(scale) == list(range(1, 11))
+    assert scale[3] == pytest.approx(steps[3]["loss_scale"]) and scale[5] <= scale[3]
 
 
 @pytest.mark.timeout(300)
