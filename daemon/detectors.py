@@ -8,12 +8,12 @@ here; the daemon detects what the workers cannot report: a hang, a dead agent.
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
+
+from ds3d.trainer.process_age import process_age_s
 
 from .reports import Observation
 from .states import JobState
@@ -117,30 +117,8 @@ def newest_worker_start(agent_pid: int, now_monotonic: float) -> float | None:
         children = psutil.Process(agent_pid).children(recursive=True)
     except psutil.Error:
         return None
-    ages = [age for age in map(_process_age_s, children) if age is not None]
+    ages = [age for age in (process_age_s(c.pid) for c in children) if age is not None]
     return now_monotonic - min(ages) if ages else None
-
-
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def _process_age_s(proc: Any) -> float | None:
-    """Seconds since `proc` started. On Linux from /proc (start ticks against the uptime, both
-    counted from boot, 10 ms resolution): psutil's create_time adds the boot time, which /proc
-    gives in whole seconds, so ages from it are off by up to a second."""
-    import psutil
-
-    try:
-        stat = Path(f"/proc/{proc.pid}/stat").read_text()
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-        start_ticks = int(stat[stat.rindex(")") + 2:].split()[19])  # field 22: starttime
-        return max(0.0, uptime - start_ticks / _CLOCK_TICKS)
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return max(0.0, time.time() - proc.create_time())
-    except psutil.Error:
-        return None
 
 
 class AgentExitDetector:

@@ -30,6 +30,17 @@ class Metrics:
                                 ["job", "cause"], registry=r)
         self.faults = Counter("ds3d_job_faults_total", "faults detected by cause",
                               ["job", "cause"], registry=r)
+        self.detect_seconds = Histogram(
+            "ds3d_recovery_detect_seconds",
+            "fault noticed - the last step before it, per recovered fault (daemon/incidents.py)",
+            ["job", "cause"], buckets=(0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800), registry=r)
+        self.recover_seconds = Histogram(
+            "ds3d_recovery_seconds",
+            "fault noticed - the first step after the recovery, per recovered fault",
+            ["job", "cause"], buckets=(0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800), registry=r)
+        self.steps_lost = Counter("ds3d_recovery_steps_lost_total",
+                                  "steps trained again after a fault (rolled back or restarted "
+                                  "from an older checkpoint)", ["job", "cause"], registry=r)
         self.checkpoint_blocked = Histogram(
             "ds3d_checkpoint_blocked_seconds", "seconds training was blocked by a save",
             ["job"], buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300), registry=r)

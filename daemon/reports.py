@@ -71,6 +71,13 @@ def record_to_event(rec: dict[str, Any]) -> dict[str, Any] | None:
             ev["kind"] = "recovery"
             ev["cause"] = "worker_exit"
             ev["message"] = f"worker group restarted by the agent ({ev['message']})"
+    elif kind == "recovery":  # an in-process rollback (trainer/loop.py)
+        ev["cause"] = str(rec.get("cause", ""))
+        a, b = (rec.get("skipped_batches") or [0, 0])[:2]  # [a, b): batches skipped from now
+        skipped = "" if b <= a else f", batch {a} skipped" if b == a + 1 else \
+            f", batches {a}-{b - 1} skipped"
+        ev["message"] = (f"{ev['cause']} at step {ev['step']}: rolled back to the checkpoint of "
+                         f"step {rec.get('recovered_to')} in {rec.get('seconds', 0)} s{skipped}")
     elif kind == "done":
         ev["message"] = f"workers done at step {ev['step']}: {rec.get('reason', '')}"
     elif kind == "command":

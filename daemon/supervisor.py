@@ -10,6 +10,8 @@ the stored job, so an intent stored before a daemon crash is carried out after t
         agent_exit = agent status (before reading reports: a worker writes `done` before its
                      agent exits, so reading after seeing the exit never misses it)
         obs        = new report records -> events + offsets (one transaction)
+        incidents  = faults whose workers train again -> one `recovered` event each, with
+                     time to detect, time to recover, steps lost (daemon/incidents.py)
         faults     = [d.check(job, obs, agent_exit) for d in detectors]
         _decide_and_act(job, obs, agent_exit, faults)
 
@@ -33,6 +35,7 @@ from ds3d.trainer.oom import CgroupMemory
 from ds3d.v1 import control_pb2 as pb
 
 from .detectors import AgentExitDetector, Detector, Fault, HangDetector
+from .incidents import Incident, IncidentClock
 from .jobdir import JobDir
 from .launcher import AgentHandle, Launcher, kill_strays
 from .logging import get_logger
@@ -93,6 +96,7 @@ class JobSupervisor:
         self._returning = ReturningNodes(ctx.peers) if ctx.peers is not None else None
         job = self.store.get_job(name)
         self._goodput = Goodput()
+        self.incidents = IncidentClock()
         self._world = job.world_size  # processes of the running group; 0 before the first start
         if job.agent_pid:
             self.agent = Launcher.attach(self.jobdir.path, job.attempt, job.agent_pid,
@@ -125,7 +129,9 @@ class JobSupervisor:
         self._sync_peers(self.store.get_job(self.name))
         obs = self.tail.poll()
         job = self.store.get_job(self.name)
-        self._count_group_restarts(job, obs)
+        agent_restart = self._count_group_restarts(job, obs)
+        for incident in self.incidents.observe(obs.records, agent_cause=agent_restart):
+            self._recovered(incident)
         if any(r.get("phase") == "rolled_back" for r in obs.kinds("checkpoint")):
             self.forward_control("restore.json", "", local=True)  # consumed on rank 0's node
         faults = [f for d in self.detectors if (f := d.check(job, obs, agent_exit)) is not None]
@@ -250,7 +256,10 @@ class JobSupervisor:
         policy = RestartPolicy(max_restarts=self._config(job).launch.max_restarts)
         decision = policy.decide(job.restarts, fault.cause)
         self._kill_agent(now=True)
-        if not decision.restart:
+        if decision.restart:
+            self.incidents.fault(fault.cause, time.time())
+        else:
+            self.incidents.drop()
             self._to(JobState.FAILED, f"{decision.reason}; last fault: {fault.message}",
                      cause=fault.cause, agent_pid=0)
             return
@@ -508,18 +517,35 @@ class JobSupervisor:
         if fields.get("agent_pid") == 0:
             self.agent = None
 
-    def _count_group_restarts(self, job: Job, obs: Observation) -> None:
+    def _count_group_restarts(self, job: Job, obs: Observation) -> str | None:
         """The agent's own group restarts (a rank-0 `start` with restart > 0) count against the
-        job's restart budget like the daemon's relaunches."""
+        job's restart budget like the daemon's relaunches. Returns their cause (None if there
+        were none)."""
         starts = [r for r in obs.kinds("start") if r.get("rank") == 0]
         cause = self._note_world_change(job, starts)
         new = {(job.attempt, int(r.get("restart", 0))) for r in starts
                if int(r.get("restart", 0)) > 0}
         new -= self._seen_group_restarts
-        if new:
-            self._seen_group_restarts |= new
-            self.store.update(self.name, restarts=job.restarts + len(new))
-            self.ctx.metrics.restarts.labels(self.name, cause).inc(len(new))
+        if not new:
+            return None
+        self._seen_group_restarts |= new
+        self.store.update(self.name, restarts=job.restarts + len(new))
+        self.ctx.metrics.restarts.labels(self.name, cause).inc(len(new))
+        return cause
+
+    def _recovered(self, incident: Incident) -> None:
+        """One `recovered` event per fault the job came back from, with its time to detect,
+        time to recover and steps lost, and the same numbers in the metrics."""
+        detail = incident.as_detail()
+        self.store.record(self.name, "recovered", incident.message(), cause=incident.cause,
+                          step=incident.resumed_from or 0, detail=detail)
+        m = self.ctx.metrics
+        if incident.time_to_detect_s is not None:
+            m.detect_seconds.labels(self.name, incident.cause).observe(incident.time_to_detect_s)
+        if incident.time_to_recover_s is not None:
+            m.recover_seconds.labels(self.name, incident.cause).observe(incident.time_to_recover_s)
+        m.steps_lost.labels(self.name, incident.cause).inc(incident.steps_lost)
+        self.log.info("recovered", **detail)
 
     def _note_world_change(self, job: Job, starts: list[dict[str, Any]]) -> str:
         """An elastic job's group came back with fewer (node lost) or more (node back)

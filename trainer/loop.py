@@ -29,6 +29,7 @@ from .engine import StepResult, TrainStep
 from .layer_profile import PartitionTuner
 from .layout import ParallelLayout, ProcessEnv
 from .partition import current_partition
+from .process_age import process_started_at
 from .report import Reporter
 
 log = structlog.get_logger()
@@ -296,7 +297,8 @@ class Trainer:
         first = self.step
         self.reporter.emit("start", step=first, device=str(self.device), **self.layout.describe(),
                            partition=self.partition.boundaries,
-                           partition_source=self.partition.source)
+                           partition_source=self.partition.source,
+                           process_started=round(process_started_at() or 0.0, 3))
         reason = "completed"
         cid, action, _, _ = self._agree()
         while True:

@@ -11,12 +11,15 @@ Layout inside a job's run directory:
 
 Every record has: `kind`, `time` (unix seconds), `rank`, `restart` (TORCHELASTIC_RESTART_COUNT),
 `node` (hostname) and `pid`. Kinds and their extra fields:
-    start       world_size, tp, pp, dp, stage, dp_rank, tp_rank, device, step (resumed-from step)
+    start       world_size, tp, pp, dp, stage, dp_rank, tp_rank, device, step (resumed-from step),
+                partition, process_started (unix time the process started: the group's spawn)
     step        step, loss, grad_norm, lr, loss_scale, tokens_per_s, step_time_s, samples (rank 0
                 only writes `step` records; every rank writes `heartbeat`)
     heartbeat   step (the last completed step), phase ("init", "train", "save", "load")
     checkpoint  step, phase ("saved", "committed", "failed"), path, blocked_s, detail
     fault       cause ("nan", "spike", ...), step, detail
+    recovery    cause, step (the failed one), recovered_to, steps_lost, skipped_batches, seconds
+                (an in-process rollback)
     done        step (the last step), reason ("completed", "paused", "stopped")
 """
 

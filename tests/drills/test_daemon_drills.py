@@ -100,6 +100,33 @@ def drill(d: DaemonProc, name: str, kind: str, rank: int,
     return run_dir, job, events(d, name)
 
 
+def assert_recovered(evs: list[dict], cause: str, noticed_by: str, resumed_from: int,
+                     last_step: int = AT_STEP - 1) -> dict:
+    """The one `recovered` event of the drill: its cause, who noticed the fault, and the steps
+    lost; its times are positive (their values depend on the machine's load)."""
+    rec = [e for e in evs if e["kind"] == "recovered"]
+    assert len(rec) == 1, [e["message"] for e in evs]
+    d = rec[0]["detail"]
+    assert (rec[0]["cause"], d["noticed_by"]) == (cause, noticed_by), rec[0]["message"]
+    assert (d["last_step"], d["resumed_from"]) == (last_step, resumed_from), d
+    assert d["steps_lost"] == last_step - resumed_from
+    assert d["time_to_detect_s"] >= 0 and d["time_to_recover_s"] > 0, d
+    assert rec[0]["message"].startswith(f"recovered from {cause}: noticed "), rec[0]["message"]
+    return d
+
+
+def metric_samples(d: DaemonProc, name: str) -> dict[tuple[str, str], float]:
+    """(job, cause) -> value of one metric family's samples, parsed by prometheus_client."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    port = d.argv[d.argv.index("--metrics-port") + 1]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {(s.labels["job"], s.labels.get("cause", "")): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples if s.name == name}
+
+
 def assert_same_losses(run_dir: Path, want: dict[int, float]) -> None:
     got = losses(run_dir)
     assert sorted(got) == list(range(1, STEPS + 1))
@@ -125,6 +152,8 @@ def test_hang_is_detected_with_stacks_killed_and_restarted(daemon, reference):
     assert "before_step" not in stacks["0"]
     starts = records(run_dir, 0, "start")
     assert len(starts) == 2 and 0 < starts[-1]["step"] < AT_STEP, starts
+    d = assert_recovered(evs, "hang", "daemon", starts[-1]["step"])
+    assert d["time_to_detect_s"] >= 10  # --hang-timeout 10
     assert_same_losses(run_dir, reference)
 
 
@@ -140,6 +169,10 @@ def test_crashed_worker_group_is_restarted_and_matches(daemon, reference):
     assert [(e["rank"], e["step"]) for e in injected] == [(2, AT_STEP)]
     starts = records(run_dir, 0, "start")
     assert [s["restart"] for s in starts] == [0, 1] and 0 < starts[-1]["step"] < AT_STEP
+    d = assert_recovered(evs, "worker_exit", "agent", starts[-1]["step"])
+    assert metric_samples(daemon, "ds3d_recovery_seconds_count")[(name, "worker_exit")] == 1
+    assert metric_samples(daemon, "ds3d_recovery_steps_lost_total")[(name, "worker_exit")] == \
+        d["steps_lost"]
     assert_same_losses(run_dir, reference)
 
 
@@ -189,6 +222,7 @@ def test_nan_rolls_back_through_the_daemon(daemon, reference):
     assert len(rec) == 1 and rec[0]["cause"] == "nan" and rec[0]["recovered_to"] < AT_STEP
     back = rec[0]["recovered_to"]
     assert rec[0]["skipped_batches"] == [AT_STEP - 1, AT_STEP]  # batch AT_STEP-1 fed step AT_STEP
+    assert_recovered(evs, "nan", "workers", back, last_step=AT_STEP)
     got = losses(run_dir)
     assert sorted(got) == list(range(1, STEPS + 1))
     assert all(v == v for v in got.values())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from pathlib import Path
 
@@ -212,6 +213,12 @@ def test_lost_node_job_finishes_on_the_others_with_a_reshape(tmp_path):
         back = [e for e in events if e["kind"] == "state" and e["cause"] == "node_back"]
         assert len(back) == 1 and "relaunching on all nodes" in back[0]["message"], events
         assert any(e["kind"] == "checkpoint" and "reshaped" in e["message"] for e in events)
+        # what the recovery cost, as one event (the planned relaunch for node c is not a fault)
+        recovered = [e for e in events if e["kind"] == "recovered"]
+        assert [e["cause"] for e in recovered] == ["node_lost"], events
+        assert re.search(r"noticed [\d.]+ s after the last step \(agent\), training again "
+                         r"[\d.]+ s later from step \d+; \d+ step\(s\) trained again",
+                         recovered[0]["message"]), recovered[0]["message"]
         head_dir = Path(done["run_dir"])
         reshaped = [r["detail"] for r in rank0_records(head_dir, "checkpoint")
                     if r["phase"] == "reshaped"]
