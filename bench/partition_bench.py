@@ -4,8 +4,8 @@ One deliberately unbalanced GPT: 8 blocks of d = 128, the first two with 1024-wi
 other six 64-wide, 512-token sequences, a vocabulary of 8192 (PP = 2) or 4096 (PP = 4). Parameter
 counts mislead three ways: the embedding holds as many parameters as the head but costs almost
 nothing, the head also computes the loss, and attention cost (quadratic in the sequence) has no
-parameters, so the narrow blocks cost far more than their parameters say and the wide ones less. Each pipeline depth
-runs, in this one invocation, under torchrun with gloo:
+parameters, so the narrow blocks cost far more than their parameters say and the wide ones less.
+Each pipeline depth runs, in this one invocation, under torchrun with gloo:
 
   parameters  DeepSpeed's parameter-balanced split (what "measured" starts from)
   uniform     the same number of blocks per stage

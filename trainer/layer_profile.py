@@ -26,9 +26,9 @@ stage takes without hooks. The profile says how a stage's time divides among its
 unhooked steps say how long the stage takes.
 
 `PartitionTuner` decides when to profile (once, after a warm-up step, for
-`partition_method = "measured"`; or on the daemon's `profile` command): CALIBRATION_STEPS unhooked
-steps, then `partition_profile_steps` hooked ones. It gathers every rank's
-layers when the window ends (one all_gather_object, at the same step on every rank), writes
+`partition_method = "measured"`; or on the daemon's `profile` command): CALIBRATION_STEPS
+unhooked steps, then `partition_profile_steps` hooked ones. It gathers every rank's layers when
+the window ends (one all_gather_object, at the same step on every rank), writes
 `RUN_DIR/profile/layer-costs.json` (rank 0) and one `profile` report record per rank (the daemon
 merges those, from every node), and proposes a partition (trainer/partition.py).
 """
@@ -46,9 +46,9 @@ import torch.distributed as dist
 from torch import nn
 
 from .config import JobConfig
-from .partition import (CALIBRATION_STEPS, MemoryModel, Proposal, bytes_per_param, check_runnable, costs_json,
-                        layer_names, merge_profile_records, propose, write_layer_costs,
-                        write_partition_file)
+from .partition import (CALIBRATION_STEPS, MemoryModel, Proposal, bytes_per_param,
+                        check_runnable, costs_json, layer_names, merge_profile_records, propose,
+                        write_layer_costs, write_partition_file)
 
 Mark = Any  # float seconds (CPU) or torch.cuda.Event
 
@@ -255,8 +255,8 @@ class LayerProfiler:
 class PartitionTuner:
     """When to profile, and what the profile proposes. Every rank holds one and calls
     `before_step` / `after_step` around every step; the window (a warm-up step, CALIBRATION_STEPS
-    unhooked steps, then `partition_profile_steps` hooked ones) is counted in steps run, so all ranks end it at the
-    same step, also after an in-process rollback."""
+    unhooked steps, then `partition_profile_steps` hooked ones) is counted in steps run, so all
+    ranks end it at the same step, also after an in-process rollback."""
 
     def __init__(self, cfg: JobConfig, run_dir: Path, step_fn: Any, layout: Any, rank: int,
                  local_rank: int, parts: list[int], emit: Callable[..., None],

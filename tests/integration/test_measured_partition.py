@@ -2,8 +2,9 @@
 
 * `partition_method = "measured"` under torchrun: the job starts on the parameter-balanced split,
   profiles its layers on steps 2-6 (2 unhooked calibration steps, 3 hooked), finds a faster
-  split, checkpoints and ends with reason `repartition`; the next start restores that checkpoint into the new stage boundaries
-  (universal checkpoint) and its losses equal an uninterrupted run on the final split.
+  split, checkpoints and ends with reason `repartition`; the next start restores that checkpoint
+  into the new stage boundaries (universal checkpoint) and its losses equal an uninterrupted run
+  on the final split.
 * `ds3dctl rebalance` through a real ds3dd: without a profile it refuses and has the running
   workers profile; `--dry-run` then prints both partitions; without it the workers restart on the
   measured split, which the daemon does not count as a fault.
