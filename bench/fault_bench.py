@@ -21,7 +21,8 @@ injected at step 12 on rank 1 through control/inject.json (what `ds3dctl inject`
 
 Reported per kind: time to detect (fault injected -> fault noticed), time to recover (noticed ->
 first step after the recovery), steps lost (re-trained steps), and goodput = useful steps per
-wall-second from the first worker's start to the end, as a share of the fault-free run's.
+wall-second from the first worker's start to the end, as a share of the fault-free run's (run
+once before and once after the faulty runs; the faster of the two counts).
 
 Lost node: three `ds3dd` daemons on loopback as three nodes (127.0.0.1-3, the first the head) run
 `tiny` at (TP, PP, DP) = (1, 1, 3), launch.min_nodes 2, global batch 6 (micro-batch 1), 100
@@ -375,16 +376,28 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="ds3d-fault-bench-"))
     agent_kinds = [k for k in kinds if k != "lost_node"]
     if agent_kinds:
+        # the fault-free run before and after the faulty ones; goodput against the faster
+        # (on a shared 2-core machine one run can be slowed by other work: the faster one is
+        # the job's speed, and a fault's goodput is not flattered by a slow baseline)
+        def baseline(i: int) -> dict:
+            t0 = run_job(work / f"baseline-{i}", [])
+            return analyse(work / f"baseline-{i}", t0, None)
+
         results: dict = {}
-        t0 = run_job(work / "baseline", [])
-        results["none"] = analyse(work / "baseline", t0, None)
+        baselines = [baseline(1)]
         for kind in agent_kinds:
             run = work / kind
             t0 = run_job(run, SCHEDULE if kind == "schedule" else [(kind, SINGLE[kind], AT)])
             results[kind] = analyse(run, t0, kind)
-            results[kind]["goodput_vs_fault_free"] = (results[kind]["goodput_steps_per_s"] /
-                                                      results["none"]["goodput_steps_per_s"])
             print(kind, json.dumps(results[kind]), flush=True)
+        baselines.append(baseline(2))
+        best = max(baselines, key=lambda b: b["goodput_steps_per_s"])
+        results = {"none": {**best, "baseline_training_wall_s": [b["training_wall_s"]
+                                                                  for b in baselines]},
+                   **results}
+        for kind in agent_kinds:
+            results[kind]["goodput_vs_fault_free"] = (results[kind]["goodput_steps_per_s"] /
+                                                      best["goodput_steps_per_s"])
         report.update(date=time.strftime("%Y-%m-%d"), command=command,
                       job="tiny (2,2,1) 30 steps, ckpt every 5", injected_at_step=AT,
                       schedule=SCHEDULE, results=results)
