@@ -5,9 +5,11 @@ A fault is noticed in one of three places, and the clock of its incident starts 
     daemon      a detector fired and the supervisor restarts the workers (hang, agent exit,
                 OOM, a node unreachable at launch): `detected` = when it fired
     agent       torch elastic restarted the group by itself (a crashed worker, a lost node):
-                the daemon learns of it from the new group's rank-0 `start` record; `detected` =
-                when that group's first process started (the agent's own detection and the
-                re-rendezvous come before it, so this bounds detection from above)
+                the daemon learns of it from the new group's rank-0 `start` record (restart
+                count > 0, or a smaller world: rank 0 may now sit on a node whose agent only
+                re-rendezvoused, restart 0); `detected` = when that group's first process
+                started (the agent's own detection and the re-rendezvous come before it, so this
+                bounds detection from above)
     workers     an in-process rollback (NaN, loss spike): the trainer's `recovery` record has
                 its own duration and steps lost; detection is the failing step itself
 
@@ -115,8 +117,8 @@ class IncidentClock:
 
     def _on_start(self, rec: dict[str, Any], t: float, agent_cause: str | None) -> None:
         step = int(rec.get("step", 0))
-        if self.open is None and int(rec.get("restart", 0)) > 0 and agent_cause and \
-                agent_cause != "node_joined":
+        restarted = int(rec.get("restart", 0)) > 0 or agent_cause == "node_lost"
+        if self.open is None and restarted and agent_cause and agent_cause != "node_joined":
             spawned = float(rec.get("process_started") or 0.0) or t
             self.open = Incident(agent_cause, "agent", spawned, self.last_step,
                                  self.last_step_time)

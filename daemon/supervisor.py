@@ -527,7 +527,9 @@ class JobSupervisor:
                if int(r.get("restart", 0)) > 0}
         new -= self._seen_group_restarts
         if not new:
-            return None
+            # a shrunk group whose rank 0 now sits on a node whose agent re-rendezvoused for
+            # the membership change, not for a failure of its own, starts with restart 0
+            return cause if cause == "node_lost" else None
         self._seen_group_restarts |= new
         self.store.update(self.name, restarts=job.restarts + len(new))
         self.ctx.metrics.restarts.labels(self.name, cause).inc(len(new))

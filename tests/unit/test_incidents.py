@@ -43,6 +43,16 @@ def test_agent_restart_is_timed_from_the_new_group_spawn():
     assert inc.steps_lost == 2
 
 
+def test_a_shrunk_group_whose_rank_0_did_not_restart_is_a_lost_node_incident():
+    # rank 0 moved to a node whose agent re-rendezvoused for the membership change (restart 0)
+    clock = IncidentClock()
+    clock.observe([step(n, float(n)) for n in range(1, 13)])
+    assert clock.observe([start(10, 20.0, restart=0, spawned=18.0)], agent_cause="node_lost") \
+        == []
+    [inc] = clock.observe([step(11, 21.0)])
+    assert (inc.cause, inc.noticed_by, inc.steps_lost) == ("node_lost", "agent", 2)
+
+
 def test_a_second_fault_during_recovery_joins_the_first():
     clock = IncidentClock()
     clock.observe([step(1, 1.0), step(2, 2.0)])
