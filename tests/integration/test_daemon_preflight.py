@@ -26,6 +26,7 @@ def _start(d, *args):
     return r
 
 
+@pytest.mark.rgw  # moto accepts any credentials: only RGW can refuse a wrong secret
 @pytest.mark.timeout(180)
 def test_wrong_secret_and_missing_bucket_are_refused_before_launch(tmp_path, rgw_server):
     bucket = f"ds3d-pre-{uuid.uuid4().hex[:8]}"

@@ -3,7 +3,8 @@ rules and the example Prometheus configuration, every alert fires on the example
 tests/unit/promtool/ds3d-alerts-test.yml and nowhere else, and the rules and the Grafana dashboard
 query only metrics that ds3d.daemon.metrics.Metrics really exports.
 
-The promtool tests skip, saying why, where promtool is not installed (.ci/run installs it).
+The promtool tests (marked `promtool`) skip, saying why, where promtool is not installed; under
+CI=true that skip fails the run (tests/required_tiers.py; .ci/run installs promtool).
 """
 
 import json
@@ -164,18 +165,21 @@ def test_exported_names_are_the_registry_with_its_suffixes():
 
 # ------------------------------------------------------------------------------- promtool
 
+@pytest.mark.promtool
 def test_promtool_accepts_the_alert_rules():
     r = _run_promtool("check", "rules", RULES)
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"SUCCESS: {len(_rules())} rules found" in r.stdout
 
 
+@pytest.mark.promtool
 def test_promtool_accepts_the_scrape_example_and_finds_the_rules():
     r = _run_promtool("check", "config", SCRAPE)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "SUCCESS: 1 rule files found" in r.stdout, r.stdout
 
 
+@pytest.mark.promtool
 def test_every_alert_fires_on_its_example_series_and_nowhere_else():
     r = _run_promtool("test", "rules", RULE_TESTS)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -212,6 +216,7 @@ def test_every_alert_has_a_case_that_fires_and_one_that_must_not():
     assert fires | silent <= alerts, "tests name alerts that do not exist"
 
 
+@pytest.mark.promtool
 @pytest.mark.parametrize("alert", sorted(_alerts()))
 def test_the_rule_tests_catch_an_alert_that_never_fires(alert, tmp_path):
     """The tests of one alert pass against that rule alone, and fail once its expression can
@@ -246,6 +251,7 @@ def _recording_rules_of_dashboard() -> str:
     return yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]})
 
 
+@pytest.mark.promtool
 def test_promtool_parses_every_dashboard_query(tmp_path):
     (tmp_path / "dashboard-queries.yml").write_text(_recording_rules_of_dashboard())
     r = _run_promtool("check", "rules", tmp_path / "dashboard-queries.yml")
@@ -355,6 +361,7 @@ def test_dashboard_shows_every_metric():
     assert families <= shown, f"no panel for {sorted(families - shown)}"
 
 
+@pytest.mark.promtool
 def test_dashboard_job_state_query_yields_the_number_its_mapping_names(tmp_path):
     """The state panels turn the one-per-state gauges into the JobState number of the job's
     state, and map the numbers back to the names."""
