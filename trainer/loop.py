@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from ds3d.checkpoints.engine_io import CheckpointManager, Rank
 
+from .checkpoint_interval import AutoInterval
 from .config import JobConfig
 from .data import batch_index
 from .faults import FaultInjector, RollbackBudget, SpikeDetector
@@ -33,6 +34,9 @@ from .process_age import process_started_at
 from .report import Reporter
 
 log = structlog.get_logger()
+
+# while waiting for the store, a heartbeat this often: a wait is progress, not a hang
+STORE_WAIT_REPORT_S = 5.0
 
 ACTIONS = {"save": 1, "pause": 2, "stop": 3, "stop_now": 4, "profile": 5, "repartition": 6,
            "restart": 7}
@@ -72,9 +76,13 @@ class Trainer:
                                       spike_steps=cfg.faults.spike_patience)
         self.spikes, self.budget = SpikeDetector(cfg.faults), RollbackBudget(cfg.faults)
         self.fp16_skips = 0
+        c = cfg.checkpoint  # interval "auto": rank 0 keeps the clock, every rank saves on its word
+        self.auto = AutoInterval(run_dir / "control", c.auto_mtbf_prior_hours,
+                                 c.auto_initial_save_cost_s) \
+            if c.interval == "auto" and env.rank == 0 else None
         self.ckpt = CheckpointManager(
             cfg, run_dir, Rank(env.rank, env.world_size, env.local_rank, layout.tp_size,
-                               layout.pp_size, layout.dp_size), device, self.reporter.emit)
+                               layout.pp_size, layout.dp_size), device, self._emit_checkpoint)
         # stage boundaries: RUN_DIR/partition.json (a measured or rebalanced split) or the method
         self.partition = current_partition(cfg, run_dir)
         self.ckpt.partition = self.partition.boundaries  # a checkpoint of another split: universal
@@ -144,10 +152,28 @@ class Trainer:
         blocked = self.ckpt.save(self.step_fn.engine, self.step, self.client_state(),
                                  self.tokens_seen, position)
         self.saved_step = self.step
+        if self.auto is not None:
+            self.auto.saved(self.step, blocked)
         self.reporter.emit("checkpoint", step=self.step, phase="saved", blocked_s=round(blocked, 4))
         if self.tb is not None:
             self.tb.scalar("checkpoint/blocked_s", blocked, self.step)
         log.info("checkpoint saved", step=self.step, blocked_s=round(blocked, 3))
+
+    def _emit_checkpoint(self, kind: str, **fields: Any) -> None:
+        """The checkpoint manager's reports; a commit also times the save for "auto"."""
+        if self.auto is not None and fields.get("phase") == "committed":
+            self.auto.committed(int(fields["step"]))
+        self.reporter.emit(kind, **fields)
+
+    def _checkpoint_due(self) -> bool:
+        """Rank 0, interval "auto": is the newest save older than the Young-Daly interval?
+        Every change of the interval is reported with its inputs (ds3dctl status shows it)."""
+        if self.auto is None:
+            return False
+        self.auto.read_failures()
+        if (decision := self.auto.update()) is not None:
+            self.reporter.emit("checkpoint_interval", step=self.step, **decision.record())
+        return self.auto.due()
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -163,13 +189,16 @@ class Trainer:
         spike = finite and f.spike_policy != "off" and self.spikes.observe(r.loss)
         return not finite, spike
 
-    def _agree(self, bad: bool = False, spike: bool = False) -> tuple[int, int, bool, bool]:
-        """The one per-step collective: [command id, action, bad step, spike], MAX over ranks."""
+    def _agree(self, bad: bool = False,
+               spike: bool = False) -> tuple[int, int, bool, bool, bool]:
+        """The one per-step collective: [command id, action, bad step, spike, checkpoint due],
+        MAX over ranks (rank 0 alone contributes the command and the "auto" interval's word)."""
         cid, action = self.inbox.poll() if self.env.rank == 0 else (0, 0)
-        flags = torch.tensor([cid, action, int(bad), int(spike)], dtype=torch.long,
+        due = self._checkpoint_due()
+        flags = torch.tensor([cid, action, int(bad), int(spike), int(due)], dtype=torch.long,
                              device=self.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return int(flags[0]), int(flags[1]), bool(flags[2]), bool(flags[3])
+        return int(flags[0]), int(flags[1]), bool(flags[2]), bool(flags[3]), bool(flags[4])
 
     def _recover(self, cause: str, r: StepResult) -> str | None:
         """Policy for a bad step (collective): reload the newest committed checkpoint in this
@@ -225,6 +254,8 @@ class Trainer:
         self.step = self.saved_step = plan.step
         self.tokens_seen = plan.manifest.tokens_seen
         self.spikes.reset()
+        if self.auto is not None:  # back at a checkpoint: no work at risk
+            self.auto.last_save = time.monotonic()
         if self.tb is not None:
             self.tb.scalar(f"faults/rollback_{cause}", 1, failed)
         self.reporter.emit("recovery", cause=cause, step=failed, recovered_to=plan.step,
@@ -300,7 +331,10 @@ class Trainer:
                            partition_source=self.partition.source,
                            process_started=round(process_started_at() or 0.0, 3))
         reason = "completed"
-        cid, action, _, _ = self._agree()
+        if self.auto is not None:  # the work at risk starts with the first step
+            self.auto.last_save = time.monotonic()
+            self.reporter.emit("checkpoint_interval", step=first, **self.auto.decision.record())
+        cid, action, _, _, _ = self._agree()
         while True:
             if action:
                 stop = self._obey(cid, action)
@@ -320,7 +354,7 @@ class Trainer:
             self.tokens_seen += self.step_fn.tokens_per_step
             self._report_step(result)
             profiled = self.tuner.after_step(self.step)  # collective when a profile window ends
-            cid, action, bad, spike = self._agree(*self._verdict(result))
+            cid, action, bad, spike, due = self._agree(*self._verdict(result))
             if bad or spike:
                 stop = self._recover("nan" if bad else "spike", result)
                 if stop:
@@ -331,15 +365,44 @@ class Trainer:
                 self.save()  # measured split is faster: restart on it from this checkpoint
                 reason = "repartition"
                 break
-            if interval and self.step % interval == 0 and self.step < steps:
+            every = interval if isinstance(interval, int) else 0
+            if (due or (every and self.step % every == 0)) and self.step < steps:
                 self.save()
         if reason == "completed" and self.step > first:
             self.save()
         self.reporter.emit("done", step=self.step, reason=reason)
         return reason
 
+    def wait_for_store(self, why: str) -> None:
+        """Collective: blocks until every rank's newest checkpoint is durable (its files
+        uploaded; on rank 0 the manifest committed) or given up as abandoned, so a job ends
+        (COMPLETED, paused, stopped) only with its last checkpoint in the store.
+
+        A store that is slow or down for minutes is waited out: the uploader retries on its
+        own; the ranks agree every few seconds (one small all-reduce, so no rank sits in a
+        collective long enough to time out), and each waiting rank sends a `store_wait`
+        heartbeat saying what is pending, so the daemon shows "waiting for the store" instead
+        of declaring a hang and restarting a group whose work is all on local disk."""
+        newest, t0 = self.saved_step, time.monotonic()
+        uploader = self.ckpt.uploader
+        while True:
+            idle = self.ckpt.wait_uploads(timeout=STORE_WAIT_REPORT_S)
+            pending = uploader.pending()
+            mine = idle and newest not in pending
+            if not mine:
+                self.reporter.emit("heartbeat", step=self.step, phase="store_wait", why=why,
+                                   newest=newest, pending=pending, failed=uploader.failed(),
+                                   waited_s=round(time.monotonic() - t0, 1))
+                if idle:  # only failed uploads left: the uploader retries them after a while
+                    time.sleep(STORE_WAIT_REPORT_S)
+            done = torch.tensor([int(mine)], dtype=torch.long, device=self.device)
+            dist.all_reduce(done, op=dist.ReduceOp.MIN)
+            if done.item():
+                return
+
     def close(self) -> None:
-        """Waits for the last checkpoint's upload (and commit) before the process may exit."""
+        """Waits (bounded) for the last checkpoint's upload before the process may exit; after
+        a normal end, `wait_for_store` has already waited for it to be durable."""
         self.ckpt.close()
         if self.tb is not None:
             self.tb.close()

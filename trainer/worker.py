@@ -88,7 +88,7 @@ def _train(cfg: JobConfig, run_dir: Path, env, stop_at_step: int | None) -> int:
     try:
         trainer = Trainer(cfg, run_dir, env, layout, device, stop_at_step)
         try:
-            trainer.run()
+            trainer.wait_for_store(trainer.run())  # a job ends with its last checkpoint durable
         finally:
             trainer.close()
     except (RuntimeError, MemoryError) as e:
