@@ -127,10 +127,31 @@ class TrainConfig(_Section):
         return self.global_batch_size or self.micro_batch_size * self.grad_accum(dp) * dp
 
 
+class IndexedSource(_Section):
+    """One Megatron indexed dataset (PREFIX.bin + PREFIX.idx) of a blend."""
+
+    prefix: str = Field(description="absolute path without the .bin/.idx suffix, as "
+                        "Megatron's --data-path takes it")
+    weight: float = Field(default=1.0, gt=0, allow_inf_nan=False,
+                          description="share of samples drawn from it (normalised over the blend)")
+
+
 class DataConfig(_Section):
     source: str = Field(
-        default="synthetic", description='"synthetic", or a path to a flat token file (.bin)')
-    dtype: Literal["uint16", "uint32"] = "uint16"
+        default="synthetic", description='"synthetic", a path to a flat token file (.bin), or '
+        '"indexed": the Megatron indexed datasets listed in data.blend')
+    dtype: Literal["uint16", "uint32"] = Field(
+        default="uint16", description="token type of a flat .bin (indexed datasets say theirs)")
+    blend: list[IndexedSource] = Field(
+        default_factory=list, description='source = "indexed": the datasets and their weights')
+    document_boundaries: Literal["cross", "start"] | None = Field(
+        default=None, description='source = "indexed": "cross" (default) cuts samples anywhere '
+        "in the concatenated documents, as Megatron's GPTDataset does; \"start\" begins every "
+        "sample at a document start")
+    tokenizer: str | None = Field(
+        default=None, description="the tokenizer the data was made with (tokenizer.json file or "
+        "Hugging Face tokenizer folder, absolute path): its vocabulary must fit "
+        "model.vocab_size, and `ds3dctl export --format hf` ships it")
     skip_batches: list[tuple[int, int]] = Field(
         default_factory=list, description="half-open ranges [start, end) of batch indices "
         "never trained on (set by NaN recovery)")
@@ -423,12 +444,22 @@ def validate_job(cfg: JobConfig, world_size: int | None = None) -> None:
     for start, end in cfg.data.skip_batches:
         if not 0 <= start < end:
             problems.append(f"data.skip_batches range [{start}, {end}) is empty or negative")
-    if cfg.data.source != "synthetic" and not cfg.data.source.endswith(".bin"):
-        problems.append(f"data.source={cfg.data.source!r}: use \"synthetic\" or the path of a flat "
-                        "token file ending in .bin (see `python -m ds3d.trainer.data --help`)")
+    problems += _data_problems(cfg)
+    if cfg.data.source not in ("synthetic", "indexed") and not cfg.data.source.endswith(".bin"):
+        problems.append(f"data.source={cfg.data.source!r}: use \"synthetic\", \"indexed\" (Megatron "
+                        "datasets listed in data.blend) or the path of a flat token file ending "
+                        "in .bin (see docs/data.md)")
     if problems:
         raise ConfigError(f"job {cfg.name!r} cannot run as configured:\n  - "
                           + "\n  - ".join(problems))
+
+
+def _data_problems(cfg: JobConfig) -> list[str]:
+    """Indexed datasets and the tokenizer are read here (headers only), so a wrong path or a
+    foreign file is refused before launch rather than in every worker."""
+    from .data import data_problems
+
+    return data_problems(cfg)
 
 
 def _elastic_problems(cfg: JobConfig) -> list[str]:

@@ -1,0 +1,159 @@
+"""The tokenizer that turns text into training tokens, loaded the ways the field keeps them.
+
+A Hugging Face tokenizer is named by:
+  * a `tokenizer.json` file (what `tokenizers` saves; GPT-2's byte-level BPE among them);
+  * a folder holding `tokenizer.json`, or GPT-2's original pair `vocab.json` + `merges.txt`;
+  * a hub name (e.g. "gpt2"), resolved by `transformers` from its local cache (no download is
+    attempted when HF_HUB_OFFLINE=1; otherwise the hub is asked).
+"bytes" is the byte-level tokenizer (vocab 256) without any file.
+
+Why one wrapper: `encode` and `ds3dctl export --format hf` need the same three things from any of
+these: token ids of a text, the vocabulary size (which picks the token dtype and must fit the
+model) and the end-of-document id that separates documents, plus a way to write the tokenizer
+next to an exported model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+BYTES = "bytes"
+# end-of-document tokens of common tokenizers, tried in order when none is named
+EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
+
+
+class TextTokenizer:
+    """Token ids of text, vocabulary size and end-of-document id of one tokenizer."""
+
+    def __init__(self, spec: str, eod_token: str | None = None) -> None:
+        self.spec = spec
+        self._hf: Any = None   # tokenizers.Tokenizer
+        self._auto: Any = None  # transformers tokenizer (hub names)
+        if spec != BYTES:
+            self._load(spec)
+        self.eod_id = self._find_eod(eod_token)
+
+    def _load(self, spec: str) -> None:
+        path = Path(spec)
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise ConfigError("reading a Hugging Face tokenizer needs the `tokenizers` package: "
+                              "pip install tokenizers") from None
+        if path.is_file():
+            self._hf = _tokenizer_from_file(Tokenizer, path)
+        elif path.is_dir():
+            if (path / "tokenizer.json").is_file():
+                self._hf = _tokenizer_from_file(Tokenizer, path / "tokenizer.json")
+            elif (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
+                self._hf = _gpt2_pair(path / "vocab.json", path / "merges.txt")
+            else:
+                raise ConfigError(f"{path} holds neither tokenizer.json nor vocab.json + "
+                                  "merges.txt; give a tokenizer file or folder")
+        elif "/" in spec and (spec.startswith(("/", ".")) or path.suffix):
+            raise ConfigError(f"tokenizer {spec!r} does not exist")
+        else:
+            self._auto = _from_hub(spec)
+
+    def _find_eod(self, eod_token: str | None) -> int | None:
+        if self.spec == BYTES:
+            if eod_token is not None:
+                raise ConfigError("the byte-level tokenizer has no special tokens; leave "
+                                  "--eod-token unset")
+            return None
+        names = [eod_token] if eod_token is not None else list(EOD_CANDIDATES)
+        if self._auto is not None and eod_token is None and self._auto.eos_token_id is not None:
+            return int(self._auto.eos_token_id)
+        for name in names:
+            tid = self._token_to_id(name)
+            if tid is not None:
+                return tid
+        if eod_token is not None:
+            raise ConfigError(f"end-of-document token {eod_token!r} is not in the vocabulary of "
+                              f"{self.spec}")
+        return None
+
+    def _token_to_id(self, token: str) -> int | None:
+        if self._auto is not None:
+            tid = self._auto.convert_tokens_to_ids(token)
+            return None if tid is None or tid == self._auto.unk_token_id else int(tid)
+        tid = self._hf.token_to_id(token)
+        return None if tid is None else int(tid)
+
+    @property
+    def vocab_size(self) -> int:
+        if self.spec == BYTES:
+            return 256
+        if self._auto is not None:
+            return len(self._auto)
+        return int(self._hf.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str) -> list[int]:
+        if self.spec == BYTES:
+            return list(text.encode("utf-8"))
+        if self._auto is not None:
+            return list(self._auto.encode(text, add_special_tokens=False))
+        return list(self._hf.encode(text, add_special_tokens=False).ids)
+
+    def save_for_transformers(self, out: Path) -> list[str]:
+        """Writes the files `transformers.AutoTokenizer.from_pretrained(out)` loads; returns
+        their names (none for the byte-level tokenizer, which transformers does not know)."""
+        if self.spec == BYTES:
+            return []
+        before = {p.name for p in out.iterdir()} if out.is_dir() else set()
+        if self._auto is not None:
+            self._auto.save_pretrained(str(out))
+        else:  # what PreTrainedTokenizerFast.save_pretrained writes, without needing it
+            out.mkdir(parents=True, exist_ok=True)
+            self._hf.save(str(out / "tokenizer.json"))
+            eod = self._hf.id_to_token(self.eod_id) if self.eod_id is not None else None
+            settings: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast",
+                                        "model_max_length": None, "clean_up_tokenization_spaces":
+                                        False}
+            if eod is not None:
+                settings.update(bos_token=eod, eos_token=eod, unk_token=eod)
+            (out / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")
+        return sorted({p.name for p in out.iterdir()} - before)
+
+
+def _tokenizer_from_file(cls: Any, path: Path) -> Any:
+    try:
+        return cls.from_file(str(path))
+    except Exception as e:  # noqa: BLE001 - the Rust parser raises a bare Exception
+        raise ConfigError(f"{path} is not a Hugging Face tokenizer.json ({e})") from None
+
+
+def _gpt2_pair(vocab: Path, merges: Path) -> Any:
+    """GPT-2's original files: a byte-level BPE with <|endoftext|> as its one special token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    try:
+        bpe = models.BPE.from_file(str(vocab), str(merges))
+    except Exception as e:  # noqa: BLE001 - the Rust parser raises a bare Exception
+        raise ConfigError(f"{vocab} + {merges} are not a GPT-2 vocabulary/merges pair ({e})") \
+            from None
+    tok = Tokenizer(bpe)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    if "<|endoftext|>" in json.loads(vocab.read_text()):
+        tok.add_special_tokens(["<|endoftext|>"])
+    return tok
+
+
+def _from_hub(name: str) -> Any:
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise ConfigError(f"tokenizer {name!r} is neither a file nor a folder here; loading it by "
+                          "name needs `transformers` (pip install transformers)") from None
+    try:
+        return AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"tokenizer {name!r} could not be loaded by name ({first}); without "
+                          "network access give a tokenizer.json file or a tokenizer folder") \
+            from None
