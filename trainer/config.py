@@ -14,17 +14,76 @@ import json
 import re
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator
 
 from .errors import ConfigError
+from .presets import PRESETS
 
-JOB_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
+# A job name names a folder, a store prefix and a database row: 1-63 characters of a-z, 0-9,
+# '.', '_', '-', the first a letter or digit. Always test it with `valid_job_name` (fullmatch):
+# `re.match` with `$` accepts a trailing newline ("nl\n" would share the prefix of "nl").
+JOB_NAME_PATTERN = r"[a-z0-9][a-z0-9._-]{0,62}"
+JOB_NAME_RE = re.compile(rf"\A{JOB_NAME_PATTERN}\Z")
+JOB_NAME_RULE = ("1-63 characters of a-z, 0-9, '.', '_' or '-', starting with a letter or digit "
+                 "(it names a folder and a store prefix, so no '/', '..', spaces or newlines)")
+MAX_TEXT_CHARS = 4096  # any string setting (paths, URLs, hosts)
+
+# Upper bounds (docs/configuration.md lists every range): generous for the largest jobs run
+# today, small enough that every product the daemon computes fits int64 (and the proto's int32
+# degrees), and that a typo (steps = 10**12) is refused instead of accepted.
+MAX_STEPS = 10**9
+MAX_BATCH_INDEX = 10**15
+
+
+def valid_job_name(name: str) -> bool:
+    return JOB_NAME_RE.fullmatch(name) is not None
+
+
+def is_readable_file(path: str) -> bool:
+    """`Path.is_file` that answers False instead of raising for a name too long, a folder it
+    may not enter and the like (a request's path is untrusted input)."""
+    try:
+        return Path(path).is_file()
+    except (OSError, ValueError):
+        return False
+
+
+def _plain_text(value: Any) -> None:
+    """Strings in a job are one line of printable text of bounded length: a control character
+    (newline, NUL, escape) in a path or host is a mistake or an attack, never meant."""
+    if isinstance(value, str):
+        if len(value) > MAX_TEXT_CHARS:
+            raise ValueError(f"is {len(value)} characters long; at most {MAX_TEXT_CHARS}")
+        bad = next((c for c in value if ord(c) < 32 or 127 <= ord(c) < 160
+                    or 0xD800 <= ord(c) < 0xE000), None)
+        if bad is not None:
+            what = "an unpaired surrogate" if ord(bad) >= 0xD800 else "the control character"
+            raise ValueError(f"contains {what} U+{ord(bad):04X}; settings are one line of "
+                             "printable text")
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _plain_text(item)
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    """Strict at the boundary: no number from a string or a bool (`tp = true`, `steps = "10"`),
+    no NaN or infinity in any float, no control character in any string, unknown keys refused."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True,
+                              allow_inf_nan=False)
+
+    @field_validator("*")
+    @classmethod
+    def _text_is_plain(cls, v: Any) -> Any:
+        _plain_text(v)
+        return v
+
+
+# Pairs come as TOML/JSON arrays (lists): the tuple is lax about that, its items stay strict.
+Beta = Annotated[float, Strict(), Field(ge=0, lt=1)]
+BatchIndex = Annotated[int, Strict(), Field(ge=0, le=MAX_BATCH_INDEX)]
 
 
 class ModelConfig(_Section):
@@ -32,17 +91,20 @@ class ModelConfig(_Section):
     GELU MLP, untied input embedding and output head (untied so that the first and last pipeline
     stages share no weight and need no tied-gradient all-reduce)."""
 
-    vocab_size: int = Field(gt=0, description="token vocabulary size (padded to a multiple of TP)")
-    d_model: int = Field(gt=0, description="hidden size")
-    n_layers: int = Field(gt=0, description="transformer blocks")
-    n_heads: int = Field(gt=0, description="attention heads")
-    seq_len: int = Field(gt=1, description="tokens per sample")
-    d_ff: int | None = Field(default=None, gt=0, description="MLP width; default 4 * d_model")
-    layer_d_ff: list[int] | None = Field(
-        default=None, description="per-block MLP widths (uneven models); overrides d_ff")
-    rope_theta: float = Field(default=10000.0, gt=0)
-    norm_eps: float = Field(default=1e-5, gt=0)
-    init_std: float = Field(default=0.02, gt=0)
+    vocab_size: int = Field(gt=0, le=1 << 22,
+                            description="token vocabulary size (padded to a multiple of TP)")
+    d_model: int = Field(gt=0, le=65536, description="hidden size")
+    n_layers: int = Field(gt=0, le=1024, description="transformer blocks")
+    n_heads: int = Field(gt=0, le=1024, description="attention heads")
+    seq_len: int = Field(gt=1, le=1 << 20, description="tokens per sample")
+    d_ff: int | None = Field(default=None, gt=0, le=1 << 18,
+                             description="MLP width; default 4 * d_model")
+    layer_d_ff: list[Annotated[int, Field(gt=0, le=1 << 18)]] | None = Field(
+        default=None, max_length=1024,
+        description="per-block MLP widths (uneven models); overrides d_ff")
+    rope_theta: float = Field(default=10000.0, gt=0, le=1e12)
+    norm_eps: float = Field(default=1e-5, gt=0, le=1)
+    init_std: float = Field(default=0.02, gt=0, le=10)
 
     @property
     def ffn_width(self) -> int:
@@ -59,12 +121,13 @@ class ModelConfig(_Section):
 
 
 class ParallelConfig(_Section):
-    tp: int = Field(default=1, ge=1, description="tensor-parallel degree (within a node)")
-    pp: int = Field(default=1, ge=1, description="pipeline stages")
-    dp: int = Field(default=1, ge=1, description="data-parallel replicas")
+    tp: int = Field(default=1, ge=1, le=64, description="tensor-parallel degree (within a node)")
+    pp: int = Field(default=1, ge=1, le=1024, description="pipeline stages")
+    dp: int = Field(default=1, ge=1, le=65536, description="data-parallel replicas")
     zero_stage: int = Field(default=1, ge=0, le=3, description="ZeRO stage; 0/1 with PP > 1")
-    partition_method: Literal["parameters", "uniform", "measured"] | list[int] = Field(
-        default="parameters",
+    partition_method: Literal["parameters", "uniform", "measured"] | list[
+            Annotated[int, Field(ge=1, le=1024)]] = Field(
+        default="parameters", max_length=1024,
         description="how blocks are split into stages: by parameter count, uniformly, an "
         "explicit list of blocks per stage, e.g. [3, 4, 5], or \"measured\": start by parameter "
         "count, time every layer over the first steps, and restart once (checkpoint, new "
@@ -78,10 +141,10 @@ class ParallelConfig(_Section):
         default=0.05, ge=0, lt=1, description="re-partition only if the measured split's slowest "
         "stage is faster than the current one's by more than this share")
     partition_memory_gb: float | None = Field(
-        default=None, gt=0, description="memory limit per stage for the measured split, GiB "
-        "(default: 90% of the GPU's memory; no limit on CPU)")
+        default=None, gt=0, le=1e6, description="memory limit per stage for the measured split, "
+        "GiB (default: 90% of the GPU's memory; no limit on CPU)")
     activation_checkpoint_interval: int = Field(
-        default=0, ge=0, description="recompute activations every N layers (0 = off)")
+        default=0, ge=0, le=1024, description="recompute activations every N layers (0 = off)")
 
     @property
     def world_size(self) -> int:
@@ -89,28 +152,34 @@ class ParallelConfig(_Section):
 
 
 class TrainConfig(_Section):
-    steps: int = Field(default=100, gt=0, description="optimizer steps in the whole job")
-    micro_batch_size: int = Field(default=1, gt=0, description="samples per micro-batch per DP rank")
+    steps: int = Field(default=100, gt=0, le=MAX_STEPS,
+                       description="optimizer steps in the whole job")
+    micro_batch_size: int = Field(default=1, gt=0, le=65536,
+                                  description="samples per micro-batch per DP rank")
     global_batch_size: int | None = Field(
-        default=None, gt=0, description="samples per optimizer step, all DP ranks together")
+        default=None, gt=0, le=1 << 24,
+        description="samples per optimizer step, all DP ranks together")
     grad_accum_steps: int | None = Field(
-        default=None, gt=0, description="micro-batches per step per DP rank (derived if unset)")
+        default=None, gt=0, le=65536,
+        description="micro-batches per step per DP rank (derived if unset)")
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     timing_interval: int = Field(
-        default=50, ge=0, description="measure where the step time goes (forward, backward, "
-        "optimizer, pipeline wait, DP reduction) on step 2 and every N steps; 0 = off")
-    lr: float = Field(default=3e-4, gt=0)
+        default=50, ge=0, le=MAX_STEPS, description="measure where the step time goes (forward, "
+        "backward, optimizer, pipeline wait, DP reduction) on step 2 and every N steps; 0 = off")
+    lr: float = Field(default=3e-4, gt=0, le=10)
     min_lr_ratio: float = Field(default=0.1, ge=0, le=1, description="final LR as a share of lr")
-    warmup_steps: int = Field(default=0, ge=0)
-    weight_decay: float = Field(default=0.1, ge=0)
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = Field(default=1e-8, gt=0)
-    grad_clip: float = Field(default=1.0, ge=0, description="max global grad norm (0 = off)")
-    seed: int = Field(default=1234, ge=0)
+    warmup_steps: int = Field(default=0, ge=0, le=MAX_STEPS)
+    weight_decay: float = Field(default=0.1, ge=0, le=10)
+    betas: Annotated[tuple[Beta, Beta], Strict(False)] = (0.9, 0.95)
+    eps: float = Field(default=1e-8, gt=0, le=1)
+    grad_clip: float = Field(default=1.0, ge=0, le=1e6,
+                             description="max global grad norm (0 = off)")
+    seed: int = Field(default=1234, ge=0, le=2**32 - 1)
     initial_scale_power: int = Field(default=16, ge=0, le=32, description="fp16: initial 2**N")
-    loss_scale_window: int = Field(default=1000, gt=0, description="fp16: steps before raising")
-    hysteresis: int = Field(default=2, ge=1, description="fp16: overflows before lowering")
-    min_loss_scale: float = Field(default=1.0, gt=0)
+    loss_scale_window: int = Field(default=1000, gt=0, le=10**6,
+                                   description="fp16: steps before raising")
+    hysteresis: int = Field(default=2, ge=1, le=1000, description="fp16: overflows before lowering")
+    min_loss_scale: float = Field(default=1.0, gt=0, le=2.0**32)
     compile: bool = Field(default=False, description="torch.compile the blocks (GPU)")
     deepspeed_config: str | None = Field(
         default=None, description="path of a DeepSpeed JSON merged over the generated one")
@@ -152,9 +221,9 @@ class DataConfig(_Section):
         default=None, description="the tokenizer the data was made with (tokenizer.json file or "
         "Hugging Face tokenizer folder, absolute path): its vocabulary must fit "
         "model.vocab_size, and `ds3dctl export --format hf` ships it")
-    skip_batches: list[tuple[int, int]] = Field(
-        default_factory=list, description="half-open ranges [start, end) of batch indices "
-        "never trained on (set by NaN recovery)")
+    skip_batches: list[Annotated[tuple[BatchIndex, BatchIndex], Strict(False)]] = Field(
+        default_factory=list, max_length=10000, description="half-open ranges [start, end) of "
+        "batch indices never trained on (set by NaN recovery)")
 
 
 class S3TransferConfig(_Section):
@@ -164,23 +233,28 @@ class S3TransferConfig(_Section):
     come from here (the daemon's environment)."""
 
     multipart_threshold_mib: float | None = Field(
-        default=None, gt=0, description="files from this size up are resumable multipart uploads")
+        default=None, gt=0, le=5 << 20,
+        description="files from this size up are resumable multipart uploads")
     multipart_chunksize_mib: float | None = Field(
-        default=None, ge=5, description="part size (S3's minimum is 5 MiB)")
-    max_concurrency: int | None = Field(default=None, ge=1, description="parts in flight per file")
+        default=None, ge=5, le=5120, description="part size (S3's minimum is 5 MiB)")
+    max_concurrency: int | None = Field(default=None, ge=1, le=1024,
+                                        description="parts in flight per file")
     max_bandwidth_mib: float | None = Field(
-        default=None, ge=0, description="MiB/s per rank, 0 = unlimited")
-    max_attempts: int | None = Field(default=None, ge=1, description="botocore attempts per request")
+        default=None, ge=0, le=1e6, description="MiB/s per rank, 0 = unlimited")
+    max_attempts: int | None = Field(default=None, ge=1, le=100,
+                                     description="botocore attempts per request")
     outage_retries: int | None = Field(
-        default=None, ge=0, description="whole-operation retries (backoff) through an outage")
+        default=None, ge=0, le=1000,
+        description="whole-operation retries (backoff) through an outage")
 
 
 class CheckpointConfig(_Section):
     interval: int = Field(default=0, ge=0, description="save every N steps (0 = only on demand)")
     local_dir: str | None = Field(default=None, description="node-local tier; default JOB_DIR/ckpt")
     store: str | None = Field(default=None, description='durable tier: "file:///p" or "s3://b/p"')
-    keep_last: int = Field(default=3, ge=1)
-    keep_every: int = Field(default=0, ge=0, description="also keep every Nth step (0 = none)")
+    keep_last: int = Field(default=3, ge=1, le=10000)
+    keep_every: int = Field(default=0, ge=0, le=MAX_STEPS,
+                            description="also keep every Nth step (0 = none)")
     load: bool = Field(default=True, description="resume from the newest complete checkpoint")
     s3: S3TransferConfig = Field(default_factory=S3TransferConfig,
                                  description="transfer settings for an s3:// store")
@@ -192,30 +266,46 @@ class FaultsConfig(_Section):
     nan_policy: Literal["rollback", "pause", "alert"] = Field(
         default="rollback", description="on NaN/Inf loss or gradient norm: reload the newest "
         "committed checkpoint and skip the bad data window, pause the job, or only report")
-    skip_batches: int = Field(default=1, ge=0, description="batches skipped on a rollback, "
-                              "ending with the one that failed")
+    skip_batches: int = Field(default=1, ge=0, le=10**6, description="batches skipped on a "
+                              "rollback, ending with the one that failed")
     lr_factor: float = Field(default=1.0, gt=0, le=1, description="multiply the LR by this on "
                              "every rollback (1 = unchanged)")
-    fp16_max_skipped_steps: int = Field(default=20, ge=0, description="fp16: consecutive "
-                                        "overflow-skipped steps tolerated before a rollback")
-    max_rollbacks: int = Field(default=3, ge=1, description="rollbacks allowed within "
+    fp16_max_skipped_steps: int = Field(default=20, ge=0, le=10**6, description="fp16: "
+                                        "consecutive overflow-skipped steps tolerated before a "
+                                        "rollback")
+    max_rollbacks: int = Field(default=3, ge=1, le=1000, description="rollbacks allowed within "
                                "rollback_window_steps before the job pauses instead")
-    rollback_window_steps: int = Field(default=1000, ge=1)
+    rollback_window_steps: int = Field(default=1000, ge=1, le=MAX_STEPS)
     spike_policy: Literal["off", "alert", "rollback"] = Field(
         default="alert", description="on a loss spike: nothing, report it, or treat it as NaN")
-    spike_window: int = Field(default=50, ge=5, description="steps of loss history for the median")
-    spike_mads: float = Field(default=6.0, gt=0, description="a spike is a loss above the running "
-                              "median by this many median absolute deviations")
-    spike_patience: int = Field(default=3, ge=1, description="... for this many steps in a row")
+    spike_window: int = Field(default=50, ge=5, le=100_000,
+                              description="steps of loss history for the median")
+    spike_mads: float = Field(default=6.0, gt=0, le=1e6, description="a spike is a loss above "
+                              "the running median by this many median absolute deviations")
+    spike_patience: int = Field(default=3, ge=1, le=10_000,
+                                description="... for this many steps in a row")
 
 
 class LaunchConfig(_Section):
-    nnodes: int = Field(default=1, ge=1, description="nodes the job starts on")
-    min_nodes: int | None = Field(default=None, ge=1, description="fewest nodes to keep running")
-    nproc_per_node: int | None = Field(default=None, ge=1)
+    nnodes: int = Field(default=1, ge=1, le=4096, description="nodes the job starts on")
+    min_nodes: int | None = Field(default=None, ge=1, le=4096,
+                                  description="fewest nodes to keep running")
+    nproc_per_node: int | None = Field(default=None, ge=1, le=256)
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    max_restarts: int = Field(default=3, ge=0)
-    hosts: list[str] = Field(default_factory=list, description="daemon addresses, one per node")
+    max_restarts: int = Field(default=3, ge=0, le=1000)
+    hosts: list[str] = Field(default_factory=list, max_length=4096,
+                             description="daemon addresses, one per node, each once")
+
+    @field_validator("hosts")
+    @classmethod
+    def _hosts_are_distinct(cls, v: list[str]) -> list[str]:
+        if any(not h.strip() or h != h.strip() for h in v):
+            raise ValueError("an address is empty or has spaces around it; give HOST:PORT")
+        twice = sorted({h for h in v if v.count(h) > 1})
+        if twice:
+            raise ValueError(f"{', '.join(twice)} listed more than once; one daemon per node, "
+                             "each listed once, this (head) node first")
+        return v
 
 
 class JobConfig(_Section):
@@ -232,10 +322,15 @@ class JobConfig(_Section):
     @field_validator("name")
     @classmethod
     def _name_is_safe(cls, v: str) -> str:
-        if not JOB_NAME_RE.match(v):
-            raise ValueError(
-                "must be 1-63 characters of a-z, 0-9, '.', '_' or '-', starting with a letter or "
-                "digit (it names a folder, so no '/', '..' or spaces)")
+        if not valid_job_name(v):
+            raise ValueError(f"must be {JOB_NAME_RULE}")
+        return v
+
+    @field_validator("preset")
+    @classmethod
+    def _preset_is_known(cls, v: str | None) -> str | None:
+        if v is not None and v not in PRESETS:
+            raise ValueError(f"is not a preset; use one of {', '.join(PRESETS)} or leave it out")
         return v
 
     def model_hash(self) -> str:
@@ -268,6 +363,16 @@ class JobConfig(_Section):
                 "min_nodes": min(launch.min_nodes or nodes, nodes)})})
 
     @classmethod
+    def parse_json(cls, text: str | bytes, source: str) -> "JobConfig":
+        """A job as JSON (a StartJob or StartShare request, a stored row) -> JobConfig, checked
+        against the schema only (`validate_job` checks the combinations); ConfigError names
+        every problem."""
+        try:
+            return cls.model_validate_json(text)
+        except ValidationError as e:
+            raise ConfigError(explain(e, source)) from None
+
+    @classmethod
     def load_json(cls, path: str | Path) -> "JobConfig":
         try:
             return cls.model_validate_json(Path(path).read_text())
@@ -279,20 +384,77 @@ class JobConfig(_Section):
 # Loading: preset or TOML, then overrides, then cross-field validation.
 
 
+_EXPLAINED_MAX = 20  # problems listed in one refusal (a fuzzed request can have thousands)
+
+
 def explain(err: ValidationError, source: str) -> str:
-    """A pydantic error as lines a person can act on: the field, the value, what is wrong."""
+    """A pydantic error as lines a person can act on: the field, the value, what is wrong, and
+    the allowed range. Values are shortened: a refusal must stay small enough for a gRPC
+    status message whatever the request held."""
     lines = []
-    for e in err.errors():
+    errors = err.errors()
+    for e in errors[:_EXPLAINED_MAX]:
         where = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        value = _short(e.get("input"))
         if e["type"] == "extra_forbidden":
-            lines.append(f"{where}: unknown setting; check the spelling (see docs/configuration.md)")
+            lines.append(f"{_clip(where)}: unknown setting; check the spelling (see "
+                         "docs/configuration.md)")
         elif e["type"] == "missing":
             lines.append(f"{where}: required but missing")
         elif e["type"] == "json_invalid":
             lines.append(f"not valid JSON ({e['msg']})")
+        elif e["type"] == "finite_number":
+            lines.append(f"{where}={value}: must be a finite number (NaN and infinity are "
+                         f"refused){_range_hint(e['loc'])}")
+        elif e["type"] in ("int_type", "float_type", "bool_type", "string_type") and \
+                isinstance(e.get("input"), (bool, str)):
+            kind = "true/false" if isinstance(e["input"], bool) else "a string"
+            lines.append(f"{where}={value}: {e['msg']}; {kind} is not converted: write the "
+                         f"value itself, e.g. 8 not \"8\", true not \"true\", 1 not true")
+        elif e["type"] in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
+            lines.append(f"{where}={value}: {e['msg']}{_range_hint(e['loc'])}")
         else:
-            lines.append(f"{where}={e.get('input')!r}: {e['msg']}")
+            lines.append(f"{where}={value}: {e['msg'].removeprefix('Value error, ')}")
+    if len(errors) > _EXPLAINED_MAX:
+        lines.append(f"... and {len(errors) - _EXPLAINED_MAX} more problems")
     return f"invalid job configuration ({source}):\n  " + "\n  ".join(lines)
+
+
+def _short(value: Any) -> str:
+    return _clip(value if isinstance(value, str) and value.isidentifier() else repr(value))
+
+
+def _clip(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def _range_hint(loc: tuple[Any, ...]) -> str:
+    """"; allowed: 0 < train.lr <= 10" for the field at `loc` (docs/configuration.md lists
+    every range), or "" where the field has none."""
+    model: Any = JobConfig
+    info = None
+    for part in loc:
+        fields = getattr(model, "model_fields", None)
+        if not isinstance(part, str) or fields is None or part not in fields:
+            break
+        info = fields[part]
+        model = info.annotation
+        while getattr(model, "__args__", None) and not hasattr(model, "model_fields"):
+            model = next((a for a in model.__args__ if hasattr(a, "model_fields")), None)
+    if info is None:
+        return ""
+    low = high = ""
+    for m in info.metadata:
+        if getattr(m, "ge", None) is not None:
+            low = f"{m.ge} <= "
+        elif getattr(m, "gt", None) is not None:
+            low = f"{m.gt} < "
+        if getattr(m, "le", None) is not None:
+            high = f" <= {m.le}"
+        elif getattr(m, "lt", None) is not None:
+            high = f" < {m.lt}"
+    where = ".".join(p for p in loc if isinstance(p, str))
+    return f"; allowed: {low}{where}{high}" if low or high else ""
 
 
 def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -439,7 +601,7 @@ def validate_job(cfg: JobConfig, world_size: int | None = None) -> None:
     if cfg.checkpoint.store is not None and not re.match(r"^(file|s3)://", cfg.checkpoint.store):
         problems.append(f"checkpoint.store={cfg.checkpoint.store!r}: use file:///absolute/path "
                         "or s3://bucket/prefix")
-    if t.deepspeed_config is not None and not Path(t.deepspeed_config).is_file():
+    if t.deepspeed_config is not None and not is_readable_file(t.deepspeed_config):
         problems.append(f"train.deepspeed_config={t.deepspeed_config!r} does not exist")
     for start, end in cfg.data.skip_batches:
         if not 0 <= start < end:

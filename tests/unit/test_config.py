@@ -2,6 +2,7 @@
 value and what to do instead."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -45,7 +46,7 @@ BAD = {
     "bad precision": (["train.precision=\"fp8\""], ["train.precision", "fp32"]),
     "path traversal name": (["name=\"../etc\""], ["name=", "no '/', '..'"]),
     "odd head size": (["model.d_model=68", "model.n_heads=4"], ["rotary"]),
-    "data not a .bin": (["data.source=\"corpus.txt\""], [".bin", "ds3d.trainer.data"]),
+    "data not a .bin": (["data.source=\"corpus.txt\""], [".bin", "docs/data.md"]),
 }
 
 
@@ -143,3 +144,178 @@ def test_checkpoint_s3_fields_are_the_daemon_environment_settings():
     cfg = S3TransferConfig(multipart_chunksize_mib=8, max_bandwidth_mib=0, outage_retries=2)
     assert options_from_settings(cfg.model_dump()) == {
         "multipart_chunksize": 8 << 20, "max_bandwidth": None, "outage_retries": 2}
+
+
+# ---- issue 17: one strict validation at the boundary ---------------------------------------
+
+NON_FINITE = ["inf", "-inf", "nan"]
+FLOAT_FIELDS = ["train.lr", "train.weight_decay", "model.rope_theta", "train.grad_clip",
+                "train.eps", "model.norm_eps", "model.init_std", "train.min_lr_ratio",
+                "faults.spike_mads", "faults.lr_factor", "parallel.partition_threshold"]
+
+
+@pytest.mark.parametrize("field", FLOAT_FIELDS)
+@pytest.mark.parametrize("value", NON_FINITE)
+def test_issue17_1_non_finite_numbers_are_refused(field, value):
+    """Issue 17 item 1: `--set train.lr=inf` (or NaN anywhere) was stored and bricked ds3dd."""
+    with pytest.raises(ConfigError) as err:
+        build_job_config("tiny", [f"{field}={value}"])
+    assert f"{field}=" in str(err.value) and "must be a finite number" in str(err.value)
+    assert "allowed:" in str(err.value) or field == "parallel.partition_threshold"
+
+
+@pytest.mark.parametrize("betas", ["[0.9, nan]", "[inf, 0.95]", "[0.9, 1.0]", "[-0.1, 0.9]"])
+def test_issue17_1_betas_are_finite_and_below_one(betas):
+    with pytest.raises(ConfigError, match=r"train\.betas\.[01]="):
+        build_job_config("tiny", [f"train.betas={betas}"])
+
+
+@pytest.mark.parametrize("text", ['"lr": Infinity', '"lr": NaN', '"lr": -Infinity', '"lr": 1e999'])
+def test_issue17_1_non_finite_json_is_refused(text):
+    """A raw StartJob request: JSON's Infinity/NaN extensions and an overflowing literal."""
+    data = build_job_config("tiny").dump_json().replace('"lr": 0.003', text)
+    assert text in data
+    with pytest.raises(ConfigError, match="train.lr=.*must be a finite number"):
+        JobConfig.parse_json(data, "request")
+
+
+@pytest.mark.parametrize("value", [2**63, 10**30, 10**12, 10**9 + 1])
+def test_issue17_2_huge_step_counts_are_refused(value):
+    """Issue 17 item 2: steps = 2**63 or 10**30 was accepted and broke ListJobs for everyone."""
+    with pytest.raises(ConfigError) as err:
+        build_job_config("tiny", [f"train.steps={value}"])
+    assert f"train.steps={value}" in str(err.value)
+    assert "allowed: 0 < train.steps <= 1000000000" in str(err.value)
+    data = json.loads(build_job_config("tiny").dump_json())
+    data["train"]["steps"] = value
+    with pytest.raises(ConfigError, match="less than or equal to 1000000000"):
+        JobConfig.parse_json(json.dumps(data), "request")
+
+
+@pytest.mark.parametrize("name", ["nl\n", "nl\r\n", "a\x00b", "a/b", "..", ".hidden", "-x", "A",
+                                  "a b", " a", "a" * 64, "", "é", "nl\u2028"])
+def test_issue17_3_job_names_must_match_the_whole_pattern(name):
+    """Issue 17 item 3: "nl\\n" passed `re.match(...$)` and shared the store prefix of "nl"."""
+    from ds3d.trainer.config import valid_job_name
+
+    assert not valid_job_name(name)
+    with pytest.raises(ConfigError, match="name="):
+        build_job_config("tiny", name=name)
+    data = json.loads(build_job_config("tiny").dump_json())
+    data["name"] = name
+    with pytest.raises(ConfigError, match="name="):
+        JobConfig.parse_json(json.dumps(data), "request")
+
+
+def test_issue17_3_valid_names_and_the_documented_pattern():
+    from ds3d.trainer.config import JOB_NAME_PATTERN, JOB_NAME_RE, valid_job_name
+
+    for name in ("nl", "a", "0", "exp-1.run_2", "a" * 63):
+        assert valid_job_name(name) and build_job_config("tiny", name=name).name == name
+    assert JOB_NAME_RE.match("nl\n") is None  # even callers that use .match are safe
+    assert JOB_NAME_PATTERN in (Path(__file__).parents[2] / "docs/configuration.md").read_text()
+
+
+LOOSE = {
+    "bool into an int": ("parallel.tp=true", "true/false is not converted"),
+    "string into an int": ('train.steps="10"', "a string is not converted"),
+    "string into a float": ('train.lr="1e-3"', "a string is not converted"),
+    "float into an int": ("train.micro_batch_size=2.0", "valid integer"),
+    "string into a bool": ('train.compile="true"', "a string is not converted"),
+    "int into a bool": ("checkpoint.load=1", "valid boolean"),
+}
+
+
+@pytest.mark.parametrize("case", list(LOOSE))
+def test_issue17_4_no_type_is_coerced(case):
+    """Issue 17 item 4: `parallel.tp=true` and `train.steps="10"` were silently coerced."""
+    override, phrase = LOOSE[case]
+    with pytest.raises(ConfigError) as err:
+        build_job_config("tiny", [override])
+    assert phrase in str(err.value), str(err.value)
+
+
+BOUNDS = {
+    "steps 10**12": ("train.steps=1000000000000", "train.steps <= 1000000000"),
+    "micro-batch 10**9": ("train.micro_batch_size=1000000000", "train.micro_batch_size <= 65536"),
+    "seq_len 10**9": ("model.seq_len=1000000000", "model.seq_len <= 1048576"),
+    "tp 1000": ("parallel.tp=1000", "parallel.tp <= 64"),
+    "dp 10**6": ("parallel.dp=1000000", "parallel.dp <= 65536"),
+    "pp 0": ("parallel.pp=0", "1 <= parallel.pp <= 1024"),
+    "layers 10**4": ("model.n_layers=10000", "model.n_layers <= 1024"),
+    "d_model 10**6": ("model.d_model=1000000", "model.d_model <= 65536"),
+    "vocab 2**31": ("model.vocab_size=2147483648", "model.vocab_size <= 4194304"),
+    "seed 2**40": ("train.seed=1099511627776", "train.seed <= 4294967295"),
+    "nnodes 10**5": ("launch.nnodes=100000", "launch.nnodes <= 4096"),
+    "lr 100": ("train.lr=100.0", "0 < train.lr <= 10"),
+    "keep_last 0": ("checkpoint.keep_last=0", "1 <= checkpoint.keep_last <= 10000"),
+}
+
+
+@pytest.mark.parametrize("case", list(BOUNDS))
+def test_issue17_4_integers_have_documented_bounds(case):
+    override, phrase = BOUNDS[case]
+    with pytest.raises(ConfigError) as err:
+        build_job_config("tiny", [override])
+    assert phrase in str(err.value), str(err.value)
+
+
+def test_issue17_4_every_bound_is_documented():
+    """docs/configuration.md states the upper bound of every bounded number in its field's row
+    (the same number as the schema)."""
+    from ds3d.trainer import config as c
+
+    rows = (Path(__file__).parents[2] / "docs/configuration.md").read_text().splitlines()
+    missing = []
+    for section in (c.ModelConfig, c.ParallelConfig, c.TrainConfig, c.CheckpointConfig,
+                    c.S3TransferConfig, c.FaultsConfig, c.LaunchConfig):
+        for name, info in section.model_fields.items():
+            for m in info.metadata:
+                high = getattr(m, "le", None) if getattr(m, "le", None) is not None else \
+                    getattr(m, "lt", None)
+                if high is None:
+                    continue
+                spelled = {str(int(high)), f"{high:g}".replace("e+", "e")}
+                if not any(r.startswith(f"| `{name}` |") and any(x in r for x in spelled)
+                           for r in rows):
+                    missing.append(f"{section.__name__}.{name} <= {high}")
+    assert not missing, missing
+
+
+def test_issue17_4_duplicate_hosts_are_refused():
+    sets = ["launch.nnodes=2", "parallel.dp=2", "launch.hosts=['10.0.0.1:7531', '10.0.0.1:7531']"]
+    with pytest.raises(ConfigError, match="10.0.0.1:7531 listed more than once"):
+        build_job_config("tiny", sets)
+
+
+@pytest.mark.parametrize("field", ["data.source", "checkpoint.store", "checkpoint.local_dir",
+                                   "data.tokenizer", "launch.hosts"])
+def test_issue17_4_control_characters_in_paths_are_refused(field):
+    value = '["/tmp/x\\n.bin"]' if field == "launch.hosts" else '"/tmp/x\\n.bin"'
+    with pytest.raises(ConfigError, match="control character U\\+000A"):
+        build_job_config("tiny", [f"{field}={value}"])
+
+
+def test_issue17_4_an_unreadable_path_is_a_refusal_not_a_crash():
+    """A name too long for the filesystem made Path.is_file raise (INTERNAL in ds3dd)."""
+    data = json.loads(build_job_config("tiny").dump_json())
+    data["train"]["deepspeed_config"] = f"/{'a' * 300}.json"
+    with pytest.raises(ConfigError, match="does not exist"):
+        validate_job(JobConfig.parse_json(json.dumps(data), "request"))
+
+
+def test_issue17_4_unknown_preset_in_a_request_is_refused():
+    data = json.loads(build_job_config("tiny").dump_json())
+    data["preset"] = "gpt-nope"
+    with pytest.raises(ConfigError, match="preset='gpt-nope': is not a preset"):
+        JobConfig.parse_json(json.dumps(data), "request")
+
+
+def test_issue17_refusals_stay_small_whatever_the_request_held():
+    """A refusal becomes a gRPC status message: values are shortened, problems capped."""
+    data = json.loads(build_job_config("tiny").dump_json())
+    data["data"]["source"] = "x" * 100_000
+    data["train"].update({f"bogus{i}": i for i in range(500)})
+    with pytest.raises(ConfigError) as err:
+        JobConfig.parse_json(json.dumps(data), "request")
+    assert len(str(err.value)) < 4000 and "more problems" in str(err.value)
