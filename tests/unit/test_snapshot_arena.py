@@ -26,13 +26,27 @@ def _save(engine, path, state, tag):
     engine.wait()
 
 
+def _in_arena(engine) -> dict[tuple[int, ...], bool]:
+    """shape of each snapshot buffer -> whether its bytes lie inside the engine's arena."""
+    probe = torch.frombuffer(engine._arena, dtype=torch.uint8, count=1)
+    start, end = probe.data_ptr(), probe.data_ptr() + len(engine._arena)
+    del probe  # an exported pointer into the mmap would keep it from closing
+    out = {}
+    for buf in engine._buffers.values():
+        first, last = buf.data_ptr(), buf.data_ptr() + buf.numel() * buf.element_size()
+        assert (start <= first and last <= end) or last <= start or first >= end, \
+            "a buffer straddles the arena's edge"
+        out[tuple(buf.shape)] = start <= first < end
+    return out
+
+
 def _same(a, b):
     assert a.keys() == b.keys()
     for k in a:
         if isinstance(a[k], torch.Tensor):
             assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
         elif isinstance(a[k], list):
-            assert all(torch.equal(x, y) for x, y in zip(a[k], b[k])), k
+            assert all(torch.equal(x, y) for x, y in zip(a[k], b[k], strict=True)), k
         else:
             assert a[k] == b[k], k
 
@@ -52,6 +66,8 @@ def test_arena_buffers_are_written_alone_and_reused(tmp_path):
     _same(torch.load(path, weights_only=False), _state(3.0))
     assert engine._arena_used == used
     assert {k: b.data_ptr() for k, b in engine._buffers.items()} == ptrs
+    # every buffer was carved from the arena but the empty tensor's (nothing to carve)
+    assert _in_arena(engine) == {(1000,): True, (7, 3): True, (): True, (5,): True, (0,): False}
     engine.close()
 
 
@@ -62,4 +78,7 @@ def test_a_short_arena_gives_tensors_buffers_of_their_own(tmp_path):
     path = str(tmp_path / "b.pt")
     _save(engine, path, _state(2.0), "t1")
     _same(torch.load(path, weights_only=False), _state(2.0))
+    # "w" (4000 bytes) did not fit: its buffer is memory of its own, outside the arena, while
+    # the small tensors were still carved from it; the empty tensor needs no buffer from it
+    assert _in_arena(engine) == {(1000,): False, (7, 3): True, (): True, (5,): True, (0,): False}
     engine.close()
