@@ -133,7 +133,8 @@ def test_two_daemons_run_one_job(nodes, tmp_path):
 
 def test_unreachable_node_fails_the_launch_cleanly(tmp_path):
     """A node in the host list whose daemon is down: StartShare fails, the launch counts as a
-    `node_lost` fault against the restart budget (0 here), and nothing is left running."""
+    `node_lost` fault against the restart budget (0 here), and nothing is left running. Runs the
+    stand-in worker (test_daemon_support.py), not the trainer: no worker gets to start."""
     a = DaemonProc(tmp_path / "a", node="node-a", worker_dir=tmp_path / "worker",
                    args=["--hang-timeout", "60"]).start()
     try:
