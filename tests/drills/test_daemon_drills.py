@@ -4,25 +4,26 @@ under the elastic agent. A drilled job must end COMPLETED with the per-step loss
 uninterrupted run of the same daemon (steps re-trained from a checkpoint included), or FAILED with
 the cause in its message when restarting cannot help.
 
-Heavy: run serialised, `flock /tmp/ds3d-heavy.lock .venv/bin/pytest tests/drills/test_daemon_drills.py`.
+Heavy: run serialised,
+`flock /tmp/ds3d-heavy.lock .venv/bin/pytest tests/drills/test_daemon_drills.py`.
 """
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 
+import grpc
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 
+from fixtures.s3 import free_port  # noqa: E402
 from support import losses, records  # noqa: E402
 from test_daemon_support import DaemonProc, kill_job_processes, pb  # noqa: E402
-
-from fixtures.s3 import free_port  # noqa: E402
 
 pytestmark = [pytest.mark.slow]
 
@@ -30,6 +31,8 @@ LAYOUT = ["--tp", "2", "--pp", "2", "--dp", "1"]
 STEPS = 12
 SETS = ["--set", "checkpoint.interval=2", "--set", "train.warmup_steps=2"]
 AT_STEP = 7
+# the restart-budget drills need no parallel layout: one worker starts (and fails) faster
+ONE_WORKER = ["--tp", "1", "--pp", "1", "--dp", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -55,19 +58,6 @@ def start(d: DaemonProc, name: str, *extra: str) -> None:
     assert r.returncode == 0, r.stderr
 
 
-def events(d: DaemonProc, name: str) -> list[dict]:
-    """Events with their detail (ds3dctl events --json leaves the detail out)."""
-    channel, stub = d.stub()
-    try:
-        out = []
-        for e in stub.WatchEvents(pb.WatchEventsRequest(name=name, follow=False), timeout=30):
-            out.append({"kind": e.kind, "cause": e.cause, "rank": e.rank, "step": e.step,
-                        "message": e.message, "detail": json.loads(e.detail_json or "{}")})
-        return out
-    finally:
-        channel.close()
-
-
 @pytest.fixture(scope="module")
 def reference(daemon) -> dict[int, float]:
     """Per-step losses of the uninterrupted run (same daemon, same settings)."""
@@ -79,39 +69,78 @@ def reference(daemon) -> dict[int, float]:
     return want
 
 
-def inject_when_running(d: DaemonProc, name: str, kind: str, rank: int) -> Path:
-    job = d.wait_for(name, lambda j: j["state"] == "RUNNING" or
-                     j["state"] in ("FAILED", "COMPLETED"), "RUNNING", timeout_s=400)
-    assert job["state"] == "RUNNING", logs(d, name)
-    assert job["step"] < AT_STEP - 1, f"too late to inject at step {AT_STEP}: {job}"
-    r = d.ctl("inject", name, kind, "--rank", str(rank), "--at-step", str(AT_STEP))
-    assert r.returncode == 0, r.stderr
-    return Path(job["run_dir"])
+def inject_before_training(d: DaemonProc, name: str, kind: str, rank: int) -> None:
+    """Schedules `kind` on `rank` at AT_STEP as soon as the daemon accepts an injection (the job
+    is STARTING: its workers have not trained yet), through the gRPC stub to lose no time. On a
+    loaded machine a job found RUNNING may already be past any fixed step; the drills still read
+    the step the rank actually injected at (`injected_step`) and assert relative to it."""
+    channel, stub = d.stub()
+    deadline = time.monotonic() + 300
+    req = pb.InjectFaultRequest(name=name, kind=kind, rank=rank, at_step=AT_STEP)
+    try:
+        while True:
+            try:
+                stub.InjectFault(req, timeout=30)
+                return
+            except grpc.RpcError as e:  # PENDING: not launched yet, so not injectable yet
+                if e.code() != grpc.StatusCode.FAILED_PRECONDITION or \
+                        time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+    finally:
+        channel.close()
+
+
+def injected_step(run_dir: Path) -> int:
+    """The step at which the target rank acted on the drill's injection (it writes it to
+    control/inject-done-<id> before acting): AT_STEP, or later if the job was past it."""
+    step = int((run_dir / "control" / "inject-done-1").read_text())
+    assert AT_STEP <= step <= STEPS - 3, f"injected at step {step}: too late for the drill"
+    return step
 
 
 def drill(d: DaemonProc, name: str, kind: str, rank: int,
-          *extra: str) -> tuple[Path, dict, list[dict]]:
-    """Starts job `name`, injects `kind` on `rank` once it runs, and waits for it to complete
-    (the recovery worked); returns its run directory, final status and events."""
+          *extra: str) -> tuple[Path, dict, list[dict], int]:
+    """Starts job `name` with `kind` scheduled on `rank` and waits for it to complete (the
+    recovery worked); returns its run directory, final status, events and the injected step."""
     start(d, name, *extra)
-    run_dir = inject_when_running(d, name, kind, rank=rank)
+    inject_before_training(d, name, kind, rank=rank)
     job = d.wait_state(name, "COMPLETED", "FAILED", timeout_s=600)
     assert job["state"] == "COMPLETED", logs(d, name)
-    return run_dir, job, events(d, name)
+    run_dir = Path(job["run_dir"])
+    return run_dir, job, d.event_details(name), injected_step(run_dir)
 
 
-def assert_recovered(evs: list[dict], cause: str, noticed_by: str, resumed_from: int,
-                     last_step: int = AT_STEP - 1) -> dict:
-    """The one `recovered` event of the drill: its cause, who noticed the fault, and the steps
-    lost; its times are positive (their values depend on the machine's load)."""
+def assert_recovered(evs: list[dict], run_dir: Path, cause: str, noticed_by: str,
+                     resumed_from: int, last_step: int) -> dict:
+    """The one `recovered` event of the drill: its cause, who noticed the fault, the steps lost,
+    and its times against rank 0's own records (daemon/incidents.py): for a restart, detect +
+    recover spans the last step record before the fault to the first one of the new group."""
     rec = [e for e in evs if e["kind"] == "recovered"]
     assert len(rec) == 1, [e["message"] for e in evs]
     d = rec[0]["detail"]
     assert (rec[0]["cause"], d["noticed_by"]) == (cause, noticed_by), rec[0]["message"]
     assert (d["last_step"], d["resumed_from"]) == (last_step, resumed_from), d
     assert d["steps_lost"] == last_step - resumed_from
-    assert d["time_to_detect_s"] >= 0 and d["time_to_recover_s"] > 0, d
     assert rec[0]["message"].startswith(f"recovered from {cause}: noticed "), rec[0]["message"]
+    if noticed_by == "workers":  # an in-process rollback times itself
+        back = [r for r in records(run_dir, 0, "recovery") if r["cause"] == cause]
+        assert d["time_to_detect_s"] == 0
+        assert d["time_to_recover_s"] == pytest.approx(back[0]["seconds"], abs=1e-3), d
+        return d
+    new_group = records(run_dir, 0, "start")[-1]
+    steps = records(run_dir, 0, "step")
+    stopped = next(r["time"] for r in steps if r["step"] == last_step)  # first timeline
+    again = next(r["time"] for r in steps if r["time"] > new_group["time"])
+    assert d["time_to_detect_s"] + d["time_to_recover_s"] == \
+        pytest.approx(again - stopped, abs=0.01), d
+    # the fault was noticed before the new group's first process started (the daemon's
+    # detectors), or is dated by that process (torch elastic's own restart)
+    spawned = new_group["process_started"] - stopped
+    if noticed_by == "agent":
+        assert d["time_to_detect_s"] == pytest.approx(spawned, abs=0.01), d
+    else:
+        assert d["time_to_detect_s"] <= spawned, (d, spawned)
     return d
 
 
@@ -137,13 +166,12 @@ def assert_same_losses(run_dir: Path, want: dict[int, float]) -> None:
 @pytest.mark.timeout(900)
 def test_hang_is_detected_with_stacks_killed_and_restarted(daemon, reference):
     name = "hang"
-    run_dir, job, evs = drill(daemon, name, "hang", 1)
-    assert (run_dir / "control" / "inject-done-1").read_text() == str(AT_STEP)
+    run_dir, job, evs, at = drill(daemon, name, "hang", 1)
 
     hangs = [e for e in evs if e["kind"] == "fault" and e["cause"] == "hang"]
     assert len(hangs) == 1, [e["message"] for e in evs if e["kind"] == "fault"]
     hang = hangs[0]
-    assert hang["rank"] == 1 and hang["step"] == AT_STEP, hang["message"]
+    assert hang["rank"] == 1 and hang["step"] == at, hang["message"]
     stacks = hang["detail"]["stacks"]
     assert sorted(stacks) == ["0", "1", "2", "3"], hang["message"]
     assert hang["detail"]["suspects"] == [1]
@@ -151,8 +179,8 @@ def test_hang_is_detected_with_stacks_killed_and_restarted(daemon, reference):
     # the other ranks wait for it in a collective or a pipeline receive
     assert "before_step" not in stacks["0"]
     starts = records(run_dir, 0, "start")
-    assert len(starts) == 2 and 0 < starts[-1]["step"] < AT_STEP, starts
-    d = assert_recovered(evs, "hang", "daemon", starts[-1]["step"])
+    assert len(starts) == 2 and 0 < starts[-1]["step"] < at, starts
+    d = assert_recovered(evs, run_dir, "hang", "daemon", starts[-1]["step"], last_step=at - 1)
     assert d["time_to_detect_s"] >= 10  # --hang-timeout 10
     assert_same_losses(run_dir, reference)
 
@@ -160,16 +188,19 @@ def test_hang_is_detected_with_stacks_killed_and_restarted(daemon, reference):
 @pytest.mark.timeout(900)
 def test_crashed_worker_group_is_restarted_and_matches(daemon, reference):
     name = "crash"
-    run_dir, job, evs = drill(daemon, name, "crash", 2)
+    run_dir, job, evs, at = drill(daemon, name, "crash", 2)
     assert job["restarts"] == 1
-    assert (run_dir / "control" / "inject-done-1").read_text() == str(AT_STEP)
     rec = [e for e in evs if e["kind"] == "recovery"]
     assert [e["cause"] for e in rec] == ["worker_exit"], [e["message"] for e in evs]
     injected = [e for e in evs if e["kind"] == "fault" and e["cause"] == "injected_crash"]
-    assert [(e["rank"], e["step"]) for e in injected] == [(2, AT_STEP)]
+    assert [(e["rank"], e["step"]) for e in injected] == [(2, at)]
     starts = records(run_dir, 0, "start")
-    assert [s["restart"] for s in starts] == [0, 1] and 0 < starts[-1]["step"] < AT_STEP
-    d = assert_recovered(evs, "worker_exit", "agent", starts[-1]["step"])
+    assert [s["restart"] for s in starts] == [0, 1] and 0 < starts[-1]["step"] < at
+    d = assert_recovered(evs, run_dir, "worker_exit", "agent", starts[-1]["step"],
+                         last_step=at - 1)
+    crashed = next(r["time"] for r in records(run_dir, 2, "fault")  # written just before exit
+                   if r["cause"] == "injected_crash")
+    assert starts[-1]["process_started"] > crashed  # the new group came after the crash
     assert metric_samples(daemon, "ds3d_recovery_seconds_count")[(name, "worker_exit")] == 1
     assert metric_samples(daemon, "ds3d_recovery_steps_lost_total")[(name, "worker_exit")] == \
         d["steps_lost"]
@@ -181,17 +212,18 @@ def test_straggler_is_named_and_exported_per_rank(daemon, reference):
     """Rank 2's forward becomes slow (a throttled device): every rank's wall step time grows
     alike (they wait for it), but its compute time stands out: a `straggler` diagnosis names
     rank 2, and `ds3d_rank_step_seconds` shows it per rank. Nothing restarts; losses unchanged."""
-    from prometheus_client.parser import text_string_to_metric_families
     import urllib.request
 
+    from prometheus_client.parser import text_string_to_metric_families
+
     name = "slow"
-    run_dir, job, evs = drill(daemon, name, "slow", 2, "--set", "train.timing_interval=2")
+    run_dir, job, evs, at = drill(daemon, name, "slow", 2, "--set", "train.timing_interval=2")
     assert job["restarts"] == 0
     slow = [e for e in evs if e["kind"] == "diagnosis" and e["cause"] == "straggler"]
     assert len(slow) == 1, [e["message"] for e in evs if e["kind"] == "diagnosis"]
     # rank 3, its tensor-parallel peer, waits for it inside forward: it may look slow too
     assert 2 in slow[0]["detail"]["slow_ranks"] and set(slow[0]["detail"]["slow_ranks"]) <= {2, 3}
-    assert slow[0]["rank"] in (2, 3) and slow[0]["step"] > AT_STEP, slow[0]
+    assert slow[0]["rank"] in (2, 3) and slow[0]["step"] > at, slow[0]
     assert "(stage 1" in slow[0]["message"] and "longer per step" in slow[0]["message"]
     port = daemon.argv[daemon.argv.index("--metrics-port") + 1]
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
@@ -214,21 +246,21 @@ def test_nan_rolls_back_through_the_daemon(daemon, reference):
     completes, the fault and the recovery are events, steps before the rollback point keep
     the reference losses and none after it is NaN."""
     name = "nan"
-    run_dir, job, evs = drill(daemon, name, "nan", 1)
+    run_dir, job, evs, at = drill(daemon, name, "nan", 1)
     nan = [e for e in evs if e["kind"] == "fault" and e["cause"] == "nan"]
     assert sorted(e["rank"] for e in nan) == [0, 1, 2, 3]  # every rank agreed on it
-    assert {e["step"] for e in nan} == {AT_STEP}, [e["message"] for e in nan]
+    assert {e["step"] for e in nan} == {at}, [e["message"] for e in nan]
     rec = records(run_dir, 0, "recovery")
-    assert len(rec) == 1 and rec[0]["cause"] == "nan" and rec[0]["recovered_to"] < AT_STEP
+    assert len(rec) == 1 and rec[0]["cause"] == "nan" and rec[0]["recovered_to"] < at
     back = rec[0]["recovered_to"]
-    assert rec[0]["skipped_batches"] == [AT_STEP - 1, AT_STEP]  # batch AT_STEP-1 fed step AT_STEP
-    assert_recovered(evs, "nan", "workers", back, last_step=AT_STEP)
+    assert rec[0]["skipped_batches"] == [at - 1, at]  # batch at-1 fed step at
+    assert_recovered(evs, run_dir, "nan", "workers", back, last_step=at)
     got = losses(run_dir)
     assert sorted(got) == list(range(1, STEPS + 1))
     assert all(v == v for v in got.values())
     for step in range(1, back + 1):
         assert got[step] == pytest.approx(reference[step], rel=1e-6), f"step {step}"
-    assert got[AT_STEP] != pytest.approx(reference[AT_STEP], rel=1e-6)  # other data now
+    assert got[at] != pytest.approx(reference[at], rel=1e-6)  # other data now
 
 
 # a short window (training is only 12 steps), and 20 MADs: the injected loss is ~3x the median,
@@ -240,31 +272,32 @@ PATIENCE = 3  # faults.spike_patience (default): steps above the threshold befor
 
 @pytest.mark.timeout(900)
 def test_loss_spike_rolls_back_past_it_and_skips_its_window(daemon):
-    """Rank 3 (last stage: its head's logits x50 from AT_STEP for 3 steps) makes the computed
-    loss jump. The detector (median of 5 steps + 20 MADs, 3 steps in a row) fires on the third
-    spiked step on every rank; the checkpoint saved in the middle of the spike is deleted, the
-    job rolls back to the one before it and skips the spike's 3 batches. It completes, and
-    every step's loss equals a run that skipped the same window from the start."""
-    name, last = "spike", AT_STEP + PATIENCE - 1
-    run_dir, job, evs = drill(daemon, name, "spike", 3, *SPIKE_SETS)
+    """Rank 3 (last stage: its head's logits x50 from the injected step for 3 steps) makes the
+    computed loss jump. The detector (median of 5 steps + 20 MADs, 3 steps in a row) fires on
+    the third spiked step on every rank; the checkpoint saved in the middle of the spike is
+    deleted, the job rolls back to the one before it and skips the spike's 3 batches. It
+    completes, and every step's loss equals a run that skipped the same window from the start."""
+    name = "spike"
+    run_dir, job, evs, at = drill(daemon, name, "spike", 3, *SPIKE_SETS)
+    last = at + PATIENCE - 1
     spikes = [e for e in evs if e["kind"] == "fault" and e["cause"] == "spike"]
     assert sorted(e["rank"] for e in spikes) == [0, 1, 2, 3]  # every rank agreed on it
     assert {e["step"] for e in spikes} == {last}, [e["message"] for e in spikes]
     seen = spikes[0]["detail"]
-    assert seen["first_step"] == AT_STEP and seen["loss"] > seen["threshold"] > seen["median"]
+    assert seen["first_step"] == at and seen["loss"] > seen["threshold"] > seen["median"]
     assert f"above the running median {seen['median']:.4g}" in spikes[0]["message"]
     # the loss the workers computed really jumped on each spiked step (first timeline)
     first = {}
     for r in records(run_dir, 0, "step"):
         first.setdefault(r["step"], r["loss"])
-    assert all(first[s] > seen["threshold"] for s in range(AT_STEP, last + 1)), first
+    assert all(first[s] > seen["threshold"] for s in range(at, last + 1)), first
 
     rec = records(run_dir, 0, "recovery")
     assert len(rec) == 1 and rec[0]["cause"] == "spike", rec
-    assert rec[0]["recovered_to"] < AT_STEP  # before the spike, not the checkpoint inside it
-    assert rec[0]["dropped_checkpoints"] == [s for s in range(AT_STEP, last) if s % 2 == 0]
+    assert rec[0]["recovered_to"] < at  # before the spike, not the checkpoint inside it
+    assert rec[0]["dropped_checkpoints"] == [s for s in range(at, last) if s % 2 == 0]
     window = rec[0]["skipped_batches"]
-    assert window == [AT_STEP - 1, last]  # batches AT_STEP-1 .. last-1 fed steps AT_STEP..last
+    assert window == [at - 1, last]  # batches at-1 .. last-1 fed steps at..last
 
     start(daemon, "spike-ref", *SPIKE_SETS, "--set", f"data.skip_batches=[{window}]")
     ref = daemon.wait_state("spike-ref", "COMPLETED", "FAILED", timeout_s=600)
@@ -277,15 +310,16 @@ def test_loss_spike_rolls_back_past_it_and_skips_its_window(daemon):
 @pytest.mark.timeout(600)
 def test_config_refused_by_the_workers_fails_at_once(daemon, tmp_path):
     """A data file that exists (the daemon's start checks pass) but holds fewer tokens than one
-    sample: every worker refuses it with exit code 2, which no restart can fix."""
+    sample: the worker refuses it with exit code 2, which no restart can fix."""
     data = tmp_path / "short.bin"
     data.write_bytes(bytes(10))  # 5 uint16 tokens
-    start(daemon, "refused", "--set", f"data.source={data}", "--set", "launch.max_restarts=1")
+    start(daemon, "refused", *ONE_WORKER, "--set", f"data.source={data}",
+          "--set", "launch.max_restarts=1")
     job = daemon.wait_state("refused", "FAILED", "COMPLETED", "RUNNING", timeout_s=400)
     assert job["state"] == "FAILED", logs(daemon, "refused")
     assert "fewer than one sample" in job["message"] and "refused" in job["message"], job
     assert job["restarts"] == 0  # the daemon did not relaunch (the agent's own retry is spent)
-    evs = events(daemon, "refused")
+    evs = daemon.event_details("refused")
     assert [e["cause"] for e in evs if e["kind"] == "fault"] == ["config_refused"]
     assert len([e for e in evs if e["kind"] == "launch"]) == 1
 
@@ -293,17 +327,18 @@ def test_config_refused_by_the_workers_fails_at_once(daemon, tmp_path):
 @pytest.mark.timeout(900)
 def test_crash_loop_ends_failed_after_the_restart_budget(daemon, tmp_path):
     """A data file with an odd number of bytes for uint16 tokens: numpy raises at every start of
-    every worker (a real crash, exit code 1); after launch.max_restarts relaunches the job is
+    the worker (a real crash, exit code 1); after launch.max_restarts relaunches the job is
     FAILED with the cause and the workers' error in its message."""
     data = tmp_path / "odd.bin"
     data.write_bytes(bytes(4097))
-    start(daemon, "loop", "--set", f"data.source={data}", "--set", "launch.max_restarts=1")
+    start(daemon, "loop", *ONE_WORKER, "--set", f"data.source={data}",
+          "--set", "launch.max_restarts=1")
     job = daemon.wait_state("loop", "FAILED", "COMPLETED", timeout_s=800)
     assert job["state"] == "FAILED", logs(daemon, "loop")
     msg = job["message"]
     assert "restart budget spent" in msg and "agent_exit" in msg, msg
     assert "ValueError" in msg, msg
-    evs = events(daemon, "loop")
+    evs = daemon.event_details("loop")
     assert len([e for e in evs if e["kind"] == "launch"]) == 2, [e["message"] for e in evs]
     assert [e["cause"] for e in evs if e["kind"] == "fault"] == ["agent_exit", "agent_exit"]
 
@@ -346,10 +381,10 @@ def test_stack_capture_of_a_stuck_worker(tmp_path, monkeypatch, method):
     try:
         assert proc.stdout.readline().strip() == b"ready"
         time.sleep(0.2)
-        got, used = stacks.dump_stacks(run_dir, attempt=1)
-        assert used == method and list(got) == [5], got
-        assert "stuck_here" in got[5], got[5]
-        assert stacks.suspects(got) == [5]
+        dump = stacks.dump_stacks(run_dir, attempt=1)
+        assert dump.method == method and list(dump.stacks) == [5], dump
+        assert "stuck_here" in dump.stacks[5], dump.stacks[5]
+        assert dump.unanswered == {} and stacks.suspects(dump) == [5]
     finally:
         proc.kill()
         proc.wait()

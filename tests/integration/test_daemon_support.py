@@ -205,6 +205,19 @@ class DaemonProc:
         assert r.returncode == 0, r.stderr
         return [json.loads(line) for line in r.stdout.splitlines()]
 
+    def event_details(self, name: str) -> list[dict]:
+        """Events with their detail (`ds3dctl events --json` leaves it out): for an event made
+        from a report record, the detail is that record."""
+        channel, stub = self.stub()
+        try:
+            return [{"seq": e.seq, "kind": e.kind, "cause": e.cause, "rank": e.rank,
+                     "step": e.step, "message": e.message,
+                     "detail": json.loads(e.detail_json or "{}")}
+                    for e in stub.WatchEvents(pb.WatchEventsRequest(name=name, follow=False),
+                                              metadata=self.md(), timeout=30)]
+        finally:
+            channel.close()
+
 
 def kill_job_processes(state_dir: Path) -> None:
     """Ends every agent and rendezvous process the daemon under `state_dir` started (by the
