@@ -1,6 +1,8 @@
 """`ds3dctl`: the command line of ds3d (also `python -m ds3d.daemon.cli`).
 
     ds3dctl start tiny --name t1 --steps 20 --set train.lr=1e-3
+    ds3dctl check gpt125m --deepspeed ds_config.json   (no daemon: effective job + DeepSpeed config)
+    ds3dctl start --neox 125M.yml --store s3://b/p      (a GPT-NeoX YAML, translated)
     ds3dctl status [JOB] [--json]      ds3dctl list [--all]
     ds3dctl pause JOB [--fast] | resume JOB | stop JOB [--now]
     ds3dctl events JOB [--follow]      ds3dctl logs JOB
@@ -33,11 +35,11 @@ from typing import Any, NoReturn
 
 import grpc
 
-from ds3d.trainer.config import build_job_config
 from ds3d.trainer.errors import Ds3dError
 from ds3d.v1 import control_pb2 as pb
 from ds3d.v1 import control_pb2_grpc as pb_grpc
 
+from .check import check_sections, render, source_with_files, validated_job
 from .jobdir import INJECT_KINDS
 
 DEFAULT_ADDR = "127.0.0.1:7531"
@@ -72,20 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--timeout", type=float, default=30.0, help="seconds per request")
     sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    s = sub.add_parser("start", help="validate and start a job")
-    s.add_argument("source", metavar="PRESET|CONFIG.toml")
-    s.add_argument("--name")
-    s.add_argument("--tp", type=int)
-    s.add_argument("--pp", type=int)
-    s.add_argument("--dp", type=int)
-    s.add_argument("--nodes", type=int)
-    s.add_argument("--steps", type=int)
-    s.add_argument("--store", metavar="URL", help="durable checkpoint store (file:// or s3://)")
-    s.add_argument("--hosts", metavar="ADDR,ADDR",
-                   help="daemon addresses of the job's nodes, comma-separated, the daemon this "
-                   "command talks to (the head) first; sets launch.hosts (and launch.nnodes "
-                   "unless --nodes is given)")
-    s.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    for command in ("start", "check"):
+        s = sub.add_parser(command, help="validate and start a job" if command == "start" else
+                           "validate a job without a daemon and print the effective job and "
+                           "the DeepSpeed config its workers get")
+        _job_arguments(s)
     s.add_argument("--json", action="store_true")
 
     p = sub.add_parser("pause", help="save a checkpoint and stop the workers")
@@ -141,6 +134,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--at-step", type=int, default=0,
                    help="step at which it happens (default: the next step)")
     return ap
+
+
+def _job_arguments(s: argparse.ArgumentParser) -> None:
+    """The job arguments `start` and `check` share."""
+    s.add_argument("source", metavar="PRESET|CONFIG.toml|NEOX.yml", nargs="?")
+    s.add_argument("--deepspeed", metavar="DS_CONFIG.json",
+                   help="a DeepSpeed JSON, translated into the job's settings (sets "
+                   "train.deepspeed_config; see docs/deepspeed-configs.md)")
+    s.add_argument("--neox", metavar="NEOX.yml", help="a GPT-NeoX YAML as the job, translated "
+                   "where ds3d's model can express it")
+    s.add_argument("--name")
+    s.add_argument("--tp", type=int)
+    s.add_argument("--pp", type=int)
+    s.add_argument("--dp", type=int)
+    s.add_argument("--nodes", type=int)
+    s.add_argument("--steps", type=int)
+    s.add_argument("--store", metavar="URL", help="durable checkpoint store (file:// or s3://)")
+    s.add_argument("--hosts", metavar="ADDR,ADDR",
+                   help="daemon addresses of the job's nodes, comma-separated, the daemon this "
+                   "command talks to (the head) first; sets launch.hosts (and launch.nnodes "
+                   "unless --nodes is given)")
+    s.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
 
 def start_overrides(args: argparse.Namespace) -> list[str]:
@@ -367,8 +382,13 @@ def event_line(e: pb.Event) -> str:
 
 
 def run(args: argparse.Namespace, out: Any = sys.stdout) -> int:
-    if args.command == "start":
-        cfg = build_job_config(args.source, start_overrides(args), args.name)
+    if args.command in ("start", "check"):
+        source, overrides = source_with_files(args.source, args.deepspeed, args.neox,
+                                              start_overrides(args))
+        cfg = validated_job(source, overrides, args.name)
+        if args.command == "check":
+            print(render(check_sections(cfg, source)), file=out)
+            return 0
         client = Client(args)
         job = client.call("StartJob", pb.StartJobRequest(config_json=cfg.dump_json())).job
         if args.json:

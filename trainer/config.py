@@ -120,6 +120,25 @@ class ModelConfig(_Section):
         return v * d + blocks + 2 * d + d * v
 
 
+class ZeroOptions(_Section):
+    """DeepSpeed's ZeRO tuning options (`zero_optimization.*` of its JSON), passed to DeepSpeed
+    as given; unset = DeepSpeed's default. They change speed and memory, never the math."""
+
+    allgather_partitions: bool | None = None
+    allgather_bucket_size: int | None = Field(default=None, gt=0, le=1 << 40)
+    overlap_comm: bool | None = None
+    reduce_scatter: bool | None = None
+    reduce_bucket_size: int | None = Field(default=None, gt=0, le=1 << 40)
+    contiguous_gradients: bool | None = None
+    round_robin_gradients: bool | None = None
+    stage3_prefetch_bucket_size: int | None = Field(default=None, ge=0, le=1 << 40)
+    stage3_param_persistence_threshold: int | None = Field(default=None, ge=0, le=1 << 40)
+    stage3_max_live_parameters: int | None = Field(default=None, ge=0, le=1 << 40)
+    stage3_max_reuse_distance: int | None = Field(default=None, ge=0, le=1 << 40)
+    stage3_gather_16bit_weights_on_model_save: bool | None = None
+    sub_group_size: int | None = Field(default=None, gt=0, le=1 << 40)
+
+
 class ParallelConfig(_Section):
     tp: int = Field(default=1, ge=1, le=64, description="tensor-parallel degree (within a node)")
     pp: int = Field(default=1, ge=1, le=1024, description="pipeline stages")
@@ -145,6 +164,8 @@ class ParallelConfig(_Section):
         "GiB (default: 90% of the GPU's memory; no limit on CPU)")
     activation_checkpoint_interval: int = Field(
         default=0, ge=0, le=1024, description="recompute activations every N layers (0 = off)")
+    zero_options: ZeroOptions = Field(
+        default_factory=ZeroOptions, description="DeepSpeed ZeRO bucket/overlap options")
 
     @property
     def world_size(self) -> int:
@@ -181,8 +202,12 @@ class TrainConfig(_Section):
     hysteresis: int = Field(default=2, ge=1, le=1000, description="fp16: overflows before lowering")
     min_loss_scale: float = Field(default=1.0, gt=0, le=2.0**32)
     compile: bool = Field(default=False, description="torch.compile the blocks (GPU)")
+    steps_per_print: int = Field(
+        default=0, ge=0, le=MAX_STEPS, description="DeepSpeed's own progress line in the "
+        "worker logs every N steps (0 = off; ds3d reports every step itself)")
     deepspeed_config: str | None = Field(
-        default=None, description="path of a DeepSpeed JSON merged over the generated one")
+        default=None, description="path of a DeepSpeed JSON, translated into these fields when "
+        "the job is built (trainer/ds_config_import.py; docs/configuration.md)")
 
     def grad_accum(self, dp: int) -> int:
         """Micro-batches per step; the global batch stays fixed when DP changes (elastic)."""
@@ -484,7 +509,11 @@ def build_job_config(source: str, overrides: list[str] | None = None,
     """Preset name or TOML path -> validated JobConfig (overrides applied last)."""
     from .presets import PRESETS, preset_dict
 
-    if source.endswith(".toml") or "/" in source:
+    explicit: dict[tuple[str, ...], str] = {}  # fields the user wrote -> where
+    if source.endswith((".json", ".yml", ".yaml")):
+        from .neox_import import job_file_dict  # a NeoX YAML, or a JSON refused with the fix
+        data, explicit = job_file_dict(source)
+    elif source.endswith(".toml") or "/" in source:
         path = Path(source)
         if not path.is_file():
             raise ConfigError(f"config file {source!r} does not exist; give a preset "
@@ -492,7 +521,9 @@ def build_job_config(source: str, overrides: list[str] | None = None,
         try:
             raw = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{source}: not valid TOML: {e}") from None
+            from .neox_import import not_toml_message
+            raise ConfigError(not_toml_message(path, e)) from None
+        explicit = {k: source for k in _leaf_paths(raw) if k[0] != "preset"}
         base = raw.pop("preset", None)
         data = _deep_merge(preset_dict(base), raw) if base else raw
         if base:
@@ -508,15 +539,30 @@ def build_job_config(source: str, overrides: list[str] | None = None,
             if not isinstance(node, dict):
                 raise ConfigError(f"--set {item!r}: {p!r} is a value, not a section")
         node[path[-1]] = value
+        explicit[tuple(path)] = f"--set {item}"
     if name is not None:
         data["name"] = name
     data.setdefault("name", data.get("preset") or Path(source).stem)
+    translation = None
+    if isinstance(data.get("train"), dict) and data["train"].get("deepspeed_config"):
+        from .ds_config_import import import_into  # its keys become fields (one meaning)
+        translation = import_into(data, explicit)
     try:
         cfg = JobConfig.model_validate(data)
     except ValidationError as e:
         raise ConfigError(explain(e, source)) from None
+    if translation is not None:
+        from .ds_config_import import check_translated
+        check_translated(cfg, translation)
     validate_job(cfg)
     return cfg
+
+
+def _leaf_paths(raw: dict[str, Any], prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    out: list[tuple[str, ...]] = []
+    for k, v in raw.items():
+        out += _leaf_paths(v, prefix + (k,)) if isinstance(v, dict) else [prefix + (k,)]
+    return out
 
 
 def validate_job(cfg: JobConfig, world_size: int | None = None) -> None:
@@ -584,6 +630,12 @@ def validate_job(cfg: JobConfig, world_size: int | None = None) -> None:
         problems.append(f"launch.min_nodes={launch.min_nodes} > launch.nnodes={launch.nnodes}")
     elif cfg.elastic:
         problems += _elastic_problems(cfg)
+        if p.zero_stage == 0:
+            problems.append(
+                f"launch.min_nodes={launch.min_nodes} < nnodes={launch.nnodes} (elastic) with "
+                "parallel.zero_stage=0: a ZeRO-0 checkpoint cannot be reshaped to the smaller "
+                "DP a lost node leaves (DeepSpeed's universal checkpoint needs ZeRO optimizer "
+                "shards); use zero_stage=1, or set min_nodes = nnodes")
     if launch.nproc_per_node is not None:
         total = launch.nnodes * launch.nproc_per_node
         if total != p.world_size:

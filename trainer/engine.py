@@ -8,10 +8,8 @@ returns the same metrics from either engine.
 from __future__ import annotations
 
 import functools
-import json
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,6 +17,7 @@ import torch.distributed as dist
 
 from .config import JobConfig
 from .data import BatchPlan
+from .ds_config import build_deepspeed_config
 from .layout import ParallelLayout
 from .model import GPTSequential, build_pipeline
 from .schedule import warmup_cosine
@@ -26,40 +25,10 @@ from .step_timing import StepTimer
 
 
 def deepspeed_config(cfg: JobConfig, dp: int, load_universal: bool = False) -> dict[str, Any]:
-    """The DeepSpeed JSON for this job at data-parallel degree `dp` (which may differ from the
-    configured one after an elastic reshape: the global batch is kept, accumulation recomputed).
-    A user's `train.deepspeed_config` file is merged over it, then checked again."""
-    t, p = cfg.train, cfg.parallel
-    gas = t.grad_accum(dp)
-    ds: dict[str, Any] = {
-        "train_batch_size": t.micro_batch_size * gas * dp,
-        "train_micro_batch_size_per_gpu": t.micro_batch_size,
-        "gradient_accumulation_steps": gas,
-        "gradient_clipping": t.grad_clip,
-        "steps_per_print": 2**31 - 1,
-        "wall_clock_breakdown": False,
-        "zero_optimization": {"stage": p.zero_stage},
-        "zero_allow_untested_optimizer": True,
-        "bf16": {"enabled": t.precision == "bf16"},
-        "fp16": {"enabled": t.precision == "fp16", "loss_scale": 0,
-                 "initial_scale_power": t.initial_scale_power,
-                 "loss_scale_window": t.loss_scale_window, "hysteresis": t.hysteresis,
-                 "min_loss_scale": t.min_loss_scale},
-    }
-    if load_universal:
-        ds["checkpoint"] = {"load_universal": True}
-    if t.precision == "bf16" and p.zero_stage == 1:
-        ds["data_types"] = {"grad_accum_dtype": "fp32"}  # fp32 master weights and accumulation
-    if t.deepspeed_config:
-        ds = _merge(ds, json.loads(Path(t.deepspeed_config).read_text()))
-    return ds
-
-
-def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
+    """The DeepSpeed JSON for this job at data-parallel degree `dp`, from the job's own fields
+    only (a user's `train.deepspeed_config` was translated into them when the job was built:
+    trainer/ds_config_import.py), so that job.json, status and the engine agree."""
+    return build_deepspeed_config(cfg, dp, load_universal)
 
 
 def build_optimizer(model: torch.nn.Module, cfg: JobConfig,
@@ -135,7 +104,8 @@ class TrainStep:
         optimizer = build_optimizer(model, cfg, device)
         t = cfg.train
         self.engine, _, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, config=deepspeed_config(cfg, layout.dp_size, load_universal),
+            model=model, optimizer=optimizer,
+            config=deepspeed_config(cfg, layout.dp_size, load_universal),
             lr_scheduler=warmup_cosine(t.warmup_steps, t.steps, t.min_lr_ratio),
             mpu=layout.grid if not self.pipelined else None)
         if cfg.train.compile:
