@@ -99,7 +99,7 @@ def tls_files(cert: str | None, key: str | None, ca: str | None) -> TlsFiles | N
     return TlsFiles(Path(cert or ""), Path(key or ""), Path(ca or ""))
 
 
-class TokenInterceptor(grpc.ServerInterceptor):
+class TokenInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]  # grpc has no stubs here
     """Requires `authorization: Bearer <token>` metadata on every RPC except health checks."""
 
     def __init__(self, token: str) -> None:

@@ -29,7 +29,7 @@ DEMO_KEYS = {"AWS_ACCESS_KEY_ID": "demo", "AWS_SECRET_ACCESS_KEY": "demo-secret"
              "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
 
 
-def _ctl(addr: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+def _ctl(addr: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "ds3d.daemon.cli", "--addr", addr, *args]
     print(f"$ ds3dctl {' '.join(args)}", flush=True)
     proc = subprocess.run(cmd, text=True)
@@ -38,7 +38,7 @@ def _ctl(addr: str, *args: str, check: bool = True) -> subprocess.CompletedProce
     return proc
 
 
-def _start_object_store(state: Path) -> tuple[subprocess.Popen, dict[str, str]]:
+def _start_object_store(state: Path) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
     """moto_server on a free loopback port with the demo bucket; returns it and the
     environment that points boto3 (and so ds3dd and its workers) at it."""
     import boto3

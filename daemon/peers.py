@@ -93,11 +93,11 @@ class PeerClient:
         try:
             return getattr(stub, method)(request, timeout=self.timeout_s, metadata=self._md())
         except grpc.RpcError as e:
-            code = e.code()  # type: ignore[attr-defined]
+            code = e.code()
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise PeerError(f"the job's head daemon {address} did not answer "
                                 f"({code.name}); ask it directly or retry") from None
-            raise ForwardedError(code.name, e.details()) from None  # type: ignore[attr-defined]
+            raise ForwardedError(code.name, e.details()) from None
         finally:
             channel.close()
 
@@ -116,8 +116,10 @@ class PeerClient:
                      timeout_s: float = 5.0) -> pb.PullReportsResponse:
         channel, stub = self._stub(address)
         try:
-            return stub.PullReports(pb.PullReportsRequest(name=name, offsets=offsets),
-                                    timeout=timeout_s, metadata=self._md())
+            resp: pb.PullReportsResponse = stub.PullReports(
+                pb.PullReportsRequest(name=name, offsets=offsets), timeout=timeout_s,
+                metadata=self._md())
+            return resp
         except grpc.RpcError as e:
             raise PeerError(f"node {address}: PullReports failed: {e.code().name}: "
                             f"{e.details()}") from None
@@ -130,7 +132,9 @@ class PeerClient:
     def start_share(self, address: str, req: pb.StartShareRequest) -> pb.StartShareResponse:
         channel, stub = self._stub(address)
         try:
-            return stub.StartShare(req, timeout=self.timeout_s, metadata=self._md())
+            resp: pb.StartShareResponse = stub.StartShare(req, timeout=self.timeout_s,
+                                                          metadata=self._md())
+            return resp
         except grpc.RpcError as e:
             raise PeerError(f"node {address}: StartShare failed: {e.code().name}: "
                             f"{e.details()}") from None
@@ -151,8 +155,9 @@ class PeerClient:
     def status(self, address: str, timeout_s: float | None = None) -> pb.NodeStatusResponse:
         channel, stub = self._stub(address)
         try:
-            return stub.NodeStatus(pb.NodeStatusRequest(), timeout=timeout_s or self.timeout_s,
-                                   metadata=self._md())
+            resp: pb.NodeStatusResponse = stub.NodeStatus(
+                pb.NodeStatusRequest(), timeout=timeout_s or self.timeout_s, metadata=self._md())
+            return resp
         except grpc.RpcError as e:
             raise PeerError(f"node {address}: NodeStatus failed: {e.code().name}") from None
         finally:

@@ -37,7 +37,7 @@ class ProcessRef:
             p = psutil.Process(self.pid)
             if abs(p.create_time() - self.started) > _START_TIME_SLACK_S:
                 return False
-            return p.status() != psutil.STATUS_ZOMBIE
+            return bool(p.status() != psutil.STATUS_ZOMBIE)
         except psutil.NoSuchProcess:
             return False
 

@@ -59,8 +59,9 @@ def serve(host: str, port: int, port_file: Path) -> None:
 
     import torch.distributed as dist
 
-    store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=300))
+    tcp_store = dist.TCPStore  # type: ignore[attr-defined]  # public, not in torch's __all__
+    store = tcp_store(host, port, is_master=True, wait_for_workers=False,
+                      timeout=timedelta(seconds=300))
     tmp = port_file.with_suffix(".tmp")
     tmp.write_text(str(store.port))
     os.replace(tmp, port_file)
