@@ -66,6 +66,13 @@ def parse_config(config_json: str) -> JobConfig:
     except ValidationError as e:
         raise ConfigError(explain(e, "request")) from None
     validate_job(cfg)
+    # a DeepSpeed JSON must already be translated into the job's fields (ds3dctl does it), and
+    # the DeepSpeed config the workers will get must pass DeepSpeed's own parser
+    from ds3d.trainer.ds_config import check_with_deepspeed
+    from ds3d.trainer.ds_config_import import verify_job_matches
+
+    verify_job_matches(cfg)
+    check_with_deepspeed(cfg)
     if cfg.launch.nnodes > 1 and len(cfg.launch.hosts) != cfg.launch.nnodes:
         raise ConfigError(
             f"launch.nnodes={cfg.launch.nnodes} needs launch.hosts with one daemon address per "
