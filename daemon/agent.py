@@ -6,9 +6,18 @@ rendezvous on the job's store process (rendezvous.py) and the worker entry
 `python -m ds3d.trainer.worker --run-dir RUN_DIR`; the agent restarts a failed worker group up
 to `max_restarts` times by itself.
 
-On its way out it writes `control/agent-<attempt>.exit` (JSON: exit_code, error) atomically:
-after a daemon restart the agent is no longer the daemon's child, so its exit status can only be
-learned from that file. No file means the agent itself was killed.
+Two hooks on torch elastic's `LocalElasticAgent` (`Ds3dAgent`; its restart loop is not copied):
+
+* before each start of the group, the job's own TORCH_EXTENSIONS_DIR is made usable: build locks
+  no live process holds are cleared and the warm cache's built ops copied in
+  (daemon/extension_cache.py): a worker killed while DeepSpeed built its op blocks nothing;
+* a group in which a worker exited with EXIT_CONFIG (trainer/exit_codes.py: its configuration was
+  refused) is not restarted: the same configuration would be refused again.
+
+The workers' errors come from torch elastic's error files (the worker's `@record`), not from
+their stderr. On its way out the agent writes `control/agent-<attempt>.exit` (JSON: exit_code,
+error) atomically: after a daemon restart the agent is no longer the daemon's child, so its exit
+status can only be learned from that file. No file means the agent itself was killed.
 """
 
 from __future__ import annotations
@@ -16,11 +25,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from ds3d.trainer.exit_codes import EXIT_CONFIG
 
 
 def write_result(path: Path, exit_code: int, error: str = "") -> None:
@@ -40,11 +50,49 @@ def _write_pid_file(path: Path) -> None:
     os.replace(tmp, path)
 
 
+def _agent_class(extensions: tuple[Path, Path] | None) -> type:
+    """LocalElasticAgent with ds3d's two hooks (see the module docstring); `extensions` is
+    (the job's TORCH_EXTENSIONS_DIR, the warm cache it is seeded from)."""
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    from .extension_cache import prepare
+
+    class Ds3dAgent(LocalElasticAgent):
+        def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+            if extensions is not None:
+                cleared, copied = prepare(*extensions)
+                for lock in cleared:
+                    print(f"ds3d agent: cleared {lock.describe()}", flush=True)
+                if copied:
+                    print(f"ds3d agent: built ops {copied} copied from {extensions[1]}",
+                          flush=True)
+            return super()._start_workers(worker_group)
+
+        def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+            result = super()._monitor_workers(worker_group)
+            if result.state is WorkerState.FAILED and any(
+                    f.exitcode == EXIT_CONFIG for f in result.failures.values()):
+                self._remaining_restarts = 0  # refused configuration: a restart cannot help
+            return result
+
+    return Ds3dAgent
+
+
 def run(spec: dict[str, Any]) -> tuple[int, str]:
+    import torch.distributed.launcher.api as launcher_api
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from .extension_cache import warm_root
+
+    extensions = None
+    if spec.get("extensions_dir"):
+        extensions = (Path(spec["extensions_dir"]), warm_root(spec.get("warm_extensions_dir")))
+        os.environ["TORCH_EXTENSIONS_DIR"] = spec["extensions_dir"]  # the workers inherit it
+    # launch_agent builds the agent from this module-level name: the one place to swap it
+    launcher_api.LocalElasticAgent = _agent_class(extensions)  # type: ignore[misc]
     config = LaunchConfig(
         min_nodes=spec["min_nodes"],
         max_nodes=spec["max_nodes"],
@@ -64,42 +112,35 @@ def run(spec: dict[str, Any]) -> tuple[int, str]:
     try:
         elastic_launch(config, sys.executable)(*entry)
     except ChildFailedError as e:
-        codes = {rank: f.exitcode for rank, f in e.failures.items()}
-        print(f"ds3d agent: worker group failed: exit codes by rank {codes}", flush=True)
-        if any(c == EXIT_CONFIG for c in codes.values()) and \
-                all(c == EXIT_CONFIG or c < 0 for c in codes.values()):
-            # ranks refused the configuration (the others were ended by the agent, < 0): passed
-            # on, so that the daemon does not restart what cannot work
-            return EXIT_CONFIG, _last_line(Path(spec["log_dir"]), _REFUSAL) or \
-                "worker configuration refused (exit code 2)"
-        error = _last_line(Path(spec["log_dir"]), _EXCEPTION)
-        return 1, f"worker group failed: exit codes by rank {codes}" + \
-            (f"; last worker error: {error}" if error else "")
+        return failure_result(e.failures)
     return 0, ""
 
 
-EXIT_CONFIG = 2  # trainer/worker.py: configuration refused
+def failure_result(failures: dict[int, Any]) -> tuple[int, str]:
+    """(exit code, error) of the agent for a failed group, from torch elastic's ProcessFailures
+    (their `message` is the worker's error file, written by `@record`, or the signal that ended
+    it). EXIT_CONFIG is passed on when a rank refused the configuration and the others were
+    only ended by the agent (a negative code), so that the daemon does not restart it."""
+    codes = {rank: f.exitcode for rank, f in failures.items()}
+    print(f"ds3d agent: worker group failed: exit codes by rank {codes}", flush=True)
+    errors = {rank: _message(f) for rank, f in failures.items() if f.exitcode > 0}
+    first = errors[min(errors)] if errors else ""
+    if any(c == EXIT_CONFIG for c in codes.values()) and \
+            all(c == EXIT_CONFIG or c < 0 for c in codes.values()):
+        refused = min(r for r, c in codes.items() if c == EXIT_CONFIG)
+        return EXIT_CONFIG, errors.get(refused) or \
+            f"worker configuration refused (exit code {EXIT_CONFIG})"
+    return 1, f"worker group failed: exit codes by rank {codes}" + \
+        (f"; first worker error: {first[:500]}" if first else "")
 
 
-# torch prefixes a worker's traceback lines with "[rankN]: "
-_REFUSAL = re.compile(r"^(?:\[rank\d+\]:\s*)?ds3d-worker: (.*)$")
-_EXCEPTION = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[\w.]+)(?:Error|Exception|Interrupt)\b.*)$")
-
-
-def _last_line(log_dir: Path, pattern: re.Pattern[str]) -> str:
-    """The last line matching `pattern` (its first group) in the newest worker stderr log of
-    this agent that has one: the workers' refusal or exception, for the daemon's message."""
-    best: tuple[float, str] = (0.0, "")
-    for log in log_dir.glob("*/attempt_*/*/stderr.log"):
-        try:
-            found = [m.group(1) for ln in log.read_text(errors="replace").splitlines()
-                     if (m := pattern.match(ln))]
-            mtime = log.stat().st_mtime
-        except OSError:
-            continue
-        if found and mtime >= best[0]:
-            best = (mtime, found[-1][:500])
-    return best[1]
+def _message(failure: Any) -> str:
+    """The error of one ProcessFailure: its error file's message ("Type: text"), which torch
+    keeps either as that string or as {"message": ..., "extraInfo": {...}}."""
+    m = failure.message
+    if isinstance(m, dict):
+        m = m.get("message", "")
+    return str(m or "")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
+from ds3d.trainer.exit_codes import EXIT_CONFIG
 from ds3d.trainer.process_age import process_age_s
 
+from .extension_cache import find_locks
 from .reports import Observation
 from .states import JobState
 from .store import Job
-
-EXIT_CONFIG = 2  # trainer/worker.py: configuration refused; the agent passes it on
 
 
 def agent_error(job: Job) -> str:
@@ -44,6 +46,9 @@ class Fault:
     detail: dict[str, Any] = field(default_factory=dict)
     fatal: bool = False  # True: the job fails now, without a restart
     kind: str = "fault"  # the event kind: "fault", or "diagnosis" for advice that changes nothing
+    # when the detector decided (unix seconds): an incident's time to detect ends here, not after
+    # the stacks were taken and the workers killed
+    detected_at: float = field(default_factory=time.time)
 
 
 class Detector(Protocol):
@@ -119,6 +124,77 @@ def newest_worker_start(agent_pid: int, now_monotonic: float) -> float | None:
         return None
     ages = [age for age in (process_age_s(c.pid) for c in children) if age is not None]
     return now_monotonic - min(ages) if ages else None
+
+
+class StartupDetector:
+    """A worker group that has not reported its start within `timeout_s` of its launch.
+
+    Starting covers imports, rendezvous, DeepSpeed's init (which may JIT-build an op under a file
+    lock), building the engine and restoring the checkpoint; the `start` record of rank 0 ends
+    it (the job then goes RUNNING and the hang detector takes over). Until then nothing else
+    watches the group: a worker waiting forever on a build lock left by a killed process sent no
+    report at all (issue 17). The fault restarts the group (the new agent clears stale locks of
+    the job's own build folder) and names every build lock it finds, stale or held, with the
+    ranks that reported nothing and the phase the others reached.
+
+    The clock starts when the detector first sees the launch (an agent pid of a STARTING or
+    RECOVERING job), so a daemon restart gives the group a full allowance again."""
+
+    def __init__(self, timeout_s: float = 600.0,
+                 lock_roots: Callable[[Job], list[Path]] | None = None) -> None:
+        self.timeout_s = timeout_s
+        self.lock_roots = lock_roots or (lambda job: [])
+        self._launch: tuple[int, int] | None = None  # (attempt, agent pid) being timed
+        self._since = 0.0
+        self._phases: dict[int, str] = {}  # rank -> newest start-up phase reported
+
+    def check(self, job: Job, obs: Observation, agent_exit: int | None) -> Fault | None:
+        if job.state not in (JobState.STARTING, JobState.RECOVERING) or agent_exit is not None \
+                or not job.agent_pid or job.desired_state is not JobState.RUNNING:
+            self._launch = None
+            return None
+        now = time.monotonic()
+        if self._launch != (job.attempt, job.agent_pid):
+            self._launch, self._since, self._phases = (job.attempt, job.agent_pid), now, {}
+        for rec in obs.records:
+            if isinstance(rec.get("rank"), int):
+                self._phases[rec["rank"]] = str(rec.get("phase") or rec.get("kind"))
+        waited = now - self._since
+        if obs.kinds("start", "step") or waited <= self.timeout_s:
+            return None
+        self._launch = None  # once per launch; the restarted group is timed afresh
+        locks = find_locks(self.lock_roots(job))
+        silent = sorted(set(range(_world_size(job))) - set(self._phases))
+        reached = ", ".join(f"rank {r}: {ph}" for r, ph in sorted(self._phases.items()))
+        evidence = [f"reports so far: {reached}" if reached else "no rank sent any report"]
+        if silent:
+            evidence.append(f"ranks {silent} sent none")
+        evidence += [lock.describe() for lock in locks]
+        stale = [lock for lock in locks if lock.stale]
+        fix = (f"ds3d removes stale locks of the job's own build folder before the restart; "
+               f"remove {', '.join(str(lock.path) for lock in stale)} by hand if it is in a "
+               f"shared cache" if stale else
+               "look at the workers' stderr (ds3dctl logs JOB) for where they wait; raise "
+               "ds3dd --start-timeout if starting legitimately takes longer (a large restore)")
+        message = (f"the worker group sent no start record within {waited:.0f} s of its launch "
+                   f"(--start-timeout {self.timeout_s:.0f} s): {'; '.join(evidence)}; {fix}")
+        detail = {"waited_s": round(waited, 1), "timeout_s": self.timeout_s,
+                  "phases": {str(r): ph for r, ph in sorted(self._phases.items())},
+                  "silent_ranks": silent,
+                  "locks": [{"path": str(lock.path), "age_s": round(lock.age_s, 1),
+                             "stale": lock.stale, "holders": list(lock.holders),
+                             "workers": list(lock.workers)} for lock in locks]}
+        return Fault("startup_timeout", message, restart=True, detail=detail)
+
+
+def _world_size(job: Job) -> int:
+    """The processes the job's group should have (0 if its configuration cannot be read)."""
+    from ds3d.trainer.config import JobConfig
+
+    try:
+        return JobConfig.model_validate_json(job.config_json).parallel.world_size
+    except ValueError:
+        return 0
 
 
 class AgentExitDetector:

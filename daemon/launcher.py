@@ -10,7 +10,11 @@ Environment the workers inherit through the agent:
   restart when the workers share the agent's rendezvous store (pytorch#135712);
 * `DS_ACCELERATOR=cpu` when the job's device is cpu (gloo backend);
 * `NCCL_NVLS_ENABLE=0` always (NVLink multicast off: it needs fabric setup these hosts lack);
-* `DS3D_RUN_DIR`, `DS3D_JOB`, `PYTHONUNBUFFERED=1`.
+* `DS3D_RUN_DIR`, `DS3D_JOB`, `PYTHONUNBUFFERED=1`;
+* `TORCH_EXTENSIONS_DIR=RUN_DIR/torch_extensions`: the job's own build folder for DeepSpeed's
+  JIT-built ops, seeded by the agent from the daemon's warm cache (its TORCH_EXTENSIONS_DIR, else
+  torch's default), so a worker killed while holding a build lock blocks no other job
+  (extension_cache.py).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import psutil
 
 from ds3d.trainer.config import JobConfig
 
+from .extension_cache import job_extensions_dir
 from .procs import ProcessRef, spawn_detached
 
 WORKER_MODULE = "ds3d.trainer.worker"
@@ -100,12 +105,15 @@ class Launcher:
             "result_file": str(result_file),
             "pid_file": str(control / f"agent-{attempt}.pid"),
             "local_addr": local_addr or self.node_addr,
+            "extensions_dir": str(job_extensions_dir(run_dir)),
+            "warm_extensions_dir": os.environ.get("TORCH_EXTENSIONS_DIR") or None,
         }
         spec_file = control / f"agent-{attempt}.json"
         spec_file.write_text(json.dumps(spec, indent=2))
         env = dict(os.environ)
         env.update({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "DS3D_RUN_DIR": str(run_dir),
-                    "DS3D_JOB": cfg.name, "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0"})
+                    "DS3D_JOB": cfg.name, "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0",
+                    "TORCH_EXTENSIONS_DIR": spec["extensions_dir"]})
         if cfg.launch.device == "cpu":
             env["DS_ACCELERATOR"] = "cpu"
             # intra-op threads share the node's cores among its workers (as torchrun does);

@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "(0: leave their workers running, to be reattached by the next ds3dd)")
     ap.add_argument("--hang-timeout", type=float, default=120.0,
                     help="fewest seconds without a worker report before a hang is declared")
+    ap.add_argument("--start-timeout", type=float, default=600.0,
+                    help="seconds a worker group may take from its launch to its first `start` "
+                    "record (imports, rendezvous, DeepSpeed's op build, restore) before it is a "
+                    "startup_timeout fault that names any build lock it waits on; default 600")
     ap.add_argument("--log-level", default="info")
     ap.add_argument("--enable-fault-injection", action="store_true",
                     help="accept fault-injection requests (drills only; off by default)")
@@ -74,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
             tls=tls_files(args.tls_cert, args.tls_key, args.tls_ca),
             metrics_port=args.metrics_port, max_request_bytes=args.max_request_bytes,
             rdzv_host=args.rdzv_host, worker_module=args.worker_module, node_addr=args.node_addr,
-            hang_timeout_s=args.hang_timeout,
+            hang_timeout_s=args.hang_timeout, start_timeout_s=args.start_timeout,
             enable_fault_injection=args.enable_fault_injection)
         daemon = Daemon(opts)
         daemon.start()

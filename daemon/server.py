@@ -52,6 +52,7 @@ class DaemonOptions:
     rdzv_host: str = "127.0.0.1"
     worker_module: str = WORKER_MODULE
     hang_timeout_s: float = 120.0
+    start_timeout_s: float = 600.0
     enable_fault_injection: bool = False
     node_addr: str | None = None
 
@@ -76,7 +77,7 @@ class Daemon:
         self.supervisors = Supervisors(SupervisorContext(
             store=self.store, launcher=launcher, metrics=self.metrics, jobs_root=jobs_root,
             node=opts.node, rdzv_host=opts.rdzv_host, peers=peers,
-            hang_min_timeout_s=opts.hang_timeout_s))
+            hang_min_timeout_s=opts.hang_timeout_s, start_timeout_s=opts.start_timeout_s))
         self.shares = Shares(opts.state_dir / "shares", launcher)
         self.peers = peers
         self.service = JobService(self.store, self.supervisors, jobs_root, opts.node,

@@ -6,8 +6,11 @@ PATH), else SIGUSR1, on which each worker's `faulthandler` writes all thread sta
 (trainer/worker.py); the agent redirects that stderr to RUN_DIR/logs/attempt-N/.../<local
 rank>/stderr.log, from which the new bytes are read back.
 
-Ranks whose stacks show no torch.distributed / pipeline-p2p frame are the suspects: the others
-wait in a collective for them.
+A rank whose stack cannot be taken (stopped with SIGSTOP, stuck in the kernel, py-spy failing
+and faulthandler writing nothing) is the first suspect: a process that cannot answer cannot
+train either, and the others wait for it. It is named with its pid, host and why (`unanswered`).
+Ranks whose stacks show no torch.distributed / pipeline-p2p frame are the next suspects: the
+others wait in a collective for them.
 """
 
 from __future__ import annotations
@@ -15,9 +18,11 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -83,17 +88,50 @@ def _faulthandler_dumps(run_dir: Path, attempt: int, workers: dict[int, tuple[in
     return out
 
 
-def dump_stacks(run_dir: Path, attempt: int, timeout_s: float = 20.0) -> tuple[dict[int, str], str]:
-    """Rank -> stack text of every local worker, and the method used ('' if none)."""
+@dataclass
+class StackDump:
+    """What asking the local ranks for their stacks gave."""
+
+    stacks: dict[int, str] = field(default_factory=dict)  # rank -> stack text
+    method: str = ""  # "py-spy" | "faulthandler" | "" (none taken)
+    # rank -> {"pid", "host", "why"} for each local rank whose stack could not be taken
+    unanswered: dict[int, dict[str, object]] = field(default_factory=dict)
+
+
+_NOT_RUNNING = {psutil.STATUS_STOPPED: "the process is stopped (SIGSTOP/SIGTSTP)",
+                psutil.STATUS_TRACING_STOP: "the process is stopped by a tracer",
+                psutil.STATUS_DISK_SLEEP: "the process is in uninterruptible sleep (D: I/O)",
+                psutil.STATUS_ZOMBIE: "the process has exited (zombie)"}
+
+
+def _state(pid: int) -> str:
+    """Why a process cannot answer, from its state in /proc ('' when it is running/sleeping)."""
+    try:
+        return _NOT_RUNNING.get(psutil.Process(pid).status(), "")
+    except psutil.Error:
+        return "the process is gone"
+
+
+def dump_stacks(run_dir: Path, attempt: int, timeout_s: float = 10.0,
+                host: str | None = None) -> StackDump:
+    """The stack of every local worker of `run_dir`; a rank whose stack cannot be taken is in
+    `unanswered` with its pid, `host` (default: this machine's name) and why. A stopped or
+    exited process is not asked (py-spy would wait on it for `timeout_s`)."""
     workers = local_workers(run_dir)
+    dump = StackDump()
     if not workers:
-        return {}, ""
-    out: dict[int, str] = {}
+        return dump
+    host = host or socket.gethostname()
+    why: dict[int, str] = {}
+    for rank, (pid, _local) in workers.items():
+        if (state := _state(pid)):
+            why[rank] = state
+    askable = {r: w for r, w in workers.items() if r not in why}
     spy = _py_spy()
-    if spy:
+    if spy and askable:
         procs = {rank: subprocess.Popen([spy, "dump", "--pid", str(pid)],
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-                 for rank, (pid, _local) in workers.items()}
+                 for rank, (pid, _local) in askable.items()}
         deadline = time.monotonic() + timeout_s
         for rank, proc in procs.items():
             try:
@@ -101,16 +139,32 @@ def dump_stacks(run_dir: Path, attempt: int, timeout_s: float = 20.0) -> tuple[d
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.communicate()
+                why[rank] = f"py-spy did not answer within {timeout_s:.0f} s"
                 continue
-            if proc.returncode == 0 and text.strip():
-                out[rank] = "py-spy dump:\n" + text.decode(errors="replace")[-_MAX_STACK_CHARS:]
-    missing = {r: w for r, w in workers.items() if r not in out}
+            out = text.decode(errors="replace")
+            if proc.returncode == 0 and out.strip():
+                dump.stacks[rank] = "py-spy dump:\n" + out[-_MAX_STACK_CHARS:]
+            else:
+                last = out.strip().splitlines()[-1][:200] if out.strip() else "no output"
+                why[rank] = f"py-spy failed (exit {proc.returncode}: {last})"
+    missing = {r: w for r, w in askable.items() if r not in dump.stacks}
     if missing:
-        out.update(_faulthandler_dumps(run_dir, attempt, missing))
-    method = "py-spy" if spy and len(out) > len(missing) else "faulthandler"
-    return out, method
+        dump.stacks.update(_faulthandler_dumps(run_dir, attempt, missing))
+    for rank, (pid, _local) in workers.items():
+        if rank in dump.stacks:
+            why.pop(rank, None)
+            continue
+        reason = why.get(rank) or _state(pid) or "py-spy unavailable"
+        if rank in missing:
+            reason += "; faulthandler (SIGUSR1) wrote nothing"
+        dump.unanswered[rank] = {"pid": pid, "host": host, "why": reason}
+    by_spy = [r for r, t in dump.stacks.items() if t.startswith("py-spy")]
+    dump.method = ("py-spy" if by_spy else "faulthandler") if dump.stacks else ""
+    return dump
 
 
-def suspects(stacks: dict[int, str]) -> list[int]:
-    """Ranks whose stacks are not waiting on a peer (no collective / p2p frame)."""
-    return sorted(r for r, text in stacks.items() if not any(w in text for w in _WAITING))
+def suspects(dump: StackDump) -> list[int]:
+    """The suspect ranks, first suspect first: those that did not answer, then those whose
+    stacks are not waiting on a peer (no collective / p2p frame)."""
+    quiet = sorted(r for r, text in dump.stacks.items() if not any(w in text for w in _WAITING))
+    return sorted(dump.unanswered) + quiet

@@ -21,6 +21,7 @@ policy are objects passed in, so a new fault needs a new detector, not a change 
 
 from __future__ import annotations
 
+import os
 import re
 import statistics
 import threading
@@ -34,7 +35,8 @@ from ds3d.trainer.errors import Ds3dError
 from ds3d.trainer.oom import CgroupMemory
 from ds3d.v1 import control_pb2 as pb
 
-from .detectors import AgentExitDetector, Detector, Fault, HangDetector
+from .detectors import AgentExitDetector, Detector, Fault, HangDetector, StartupDetector
+from .extension_cache import cache_roots, job_extensions_dir
 from .incidents import Incident, IncidentClock
 from .jobdir import JobDir
 from .launcher import AgentHandle, Launcher, kill_strays
@@ -45,7 +47,7 @@ from .peers import REPORT_FILE_RE, PeerClient, PeerError, ReturningNodes
 from .policies import RestartPolicy
 from .procs import ProcessRef
 from .rendezvous import start_store
-from .stacks import dump_stacks, suspects
+from .stacks import StackDump, dump_stacks, suspects
 from .step_analysis import StepAnalysis
 from .reports import Observation, ReportTail
 from .states import TERMINAL, JobState
@@ -68,6 +70,7 @@ class SupervisorContext:
     interval_s: float = 0.5
     stop_now_grace_s: float = 5.0
     hang_min_timeout_s: float = 120.0
+    start_timeout_s: float = 600.0  # launch -> the group's `start` record (ds3dd --start-timeout)
     peer_finish_timeout_s: float = 120.0
     detectors: list[Detector] | None = field(default=None)
 
@@ -84,8 +87,11 @@ class JobSupervisor:
         # OOM before agent exit: a worker that ran out of memory also ends its agent, and the
         # diagnosis (with its own restart policy) must win over the generic "agent exited"
         self.detectors: list[Detector] = ctx.detectors or [
-            HangDetector(min_timeout_s=ctx.hang_min_timeout_s), self._oom_detector(name),
-            AgentExitDetector(), self.analysis]
+            HangDetector(min_timeout_s=ctx.hang_min_timeout_s, startup_s=ctx.start_timeout_s),
+            StartupDetector(ctx.start_timeout_s, lambda job: [
+                job_extensions_dir(Path(job.run_dir)),
+                *cache_roots(os.environ.get("TORCH_EXTENSIONS_DIR"))]),
+            self._oom_detector(name), AgentExitDetector(), self.analysis]
         self.log = get_logger("ds3d.supervisor", job=name)
         self.wake = threading.Event()
         self.agent: AgentHandle | None = None
@@ -234,30 +240,38 @@ class JobSupervisor:
 
     def _with_stacks(self, job: Job, fault: Fault) -> Fault:
         """A hang fault with the Python stacks of this node's ranks (taken before the kill),
-        the suspects (ranks not waiting in a collective) and the step in progress."""
+        the suspects (first the ranks that could not answer, then those not waiting in a
+        collective) and the step in progress. Its detection time stays the detector's."""
         try:
-            stacks, method = dump_stacks(self.jobdir.path, job.attempt)
+            dump = dump_stacks(self.jobdir.path, job.attempt, host=self.ctx.node)
         except Exception:  # noqa: BLE001 - diagnostics must not stop the recovery
             self.log.exception("stack capture failed")
-            stacks, method = {}, ""
-        stuck = suspects(stacks)
-        rank = stuck[0] if len(stuck) == 1 else -1
+            dump = StackDump()
+        stuck = suspects(dump)
+        rank = stuck[0] if stuck and (len(stuck) == 1 or stuck[0] in dump.unanswered) else -1
         step = job.step + 1  # the step the ranks were working on
-        who = (f"rank {rank} is not in a collective" if rank >= 0 else
-               f"suspect ranks {stuck}" if stuck else "every rank waits in a collective")
-        message = (f"{fault.message}; at step {step}: {who}; stacks of ranks {sorted(stacks)} "
-                   f"({method or 'none captured'}) in the event detail")
-        detail = {**fault.detail, "stacks": {str(r): t for r, t in sorted(stacks.items())},
-                  "stack_method": method, "suspects": stuck}
+        quiet = [r for r in stuck if r not in dump.unanswered]
+        who = "; ".join(
+            [f"rank {r} (pid {u['pid']} on {u['host']}) did not answer: {u['why']}"
+             for r, u in sorted(dump.unanswered.items())] +
+            ([f"rank {quiet[0]} is not in a collective" if len(quiet) == 1 else
+              f"ranks {quiet} are not in a collective"] if quiet else []))
+        who = who or "every rank waits in a collective"
+        message = (f"{fault.message}; at step {step}: {who}; stacks of ranks "
+                   f"{sorted(dump.stacks)} ({dump.method or 'none captured'}) in the event "
+                   f"detail (ds3dctl events JOB --detail)")
+        detail = {**fault.detail, "stacks": {str(r): t for r, t in sorted(dump.stacks.items())},
+                  "stack_method": dump.method, "suspects": stuck,
+                  "unanswered": {str(r): u for r, u in sorted(dump.unanswered.items())}}
         return Fault(fault.cause, message, fault.restart, rank=rank, step=step, detail=detail,
-                     fatal=fault.fatal)
+                     fatal=fault.fatal, detected_at=fault.detected_at)
 
     def _restart_or_fail(self, job: Job, fault: Fault) -> None:
         policy = RestartPolicy(max_restarts=self._config(job).launch.max_restarts)
         decision = policy.decide(job.restarts, fault.cause)
         self._kill_agent(now=True)
-        if decision.restart:
-            self.incidents.fault(fault.cause, time.time())
+        if decision.restart:  # timed from the detector's decision, not the end of the kill
+            self.incidents.fault(fault.cause, fault.detected_at)
         else:
             self.incidents.drop()
             self._to(JobState.FAILED, f"{decision.reason}; last fault: {fault.message}",

@@ -6,9 +6,14 @@ RUN_DIR/job.json holds the JobConfig (ds3dd writes it; `--config`/`--preset` wri
 without the daemon). The rank, world size and restart count come from the elastic agent's
 environment (RANK, WORLD_SIZE, LOCAL_RANK, TORCHELASTIC_RESTART_COUNT).
 
-Exit codes: 0 = the job ended as asked (completed, paused, stopped); 2 = configuration refused
-(restarting would not help); 12 = out of memory (an `oom` fault record with the evidence was
-written first, trainer/oom.py); anything else is a crash the agent may restart.
+Exit codes (trainer/exit_codes.py): 0 = the job ended as asked (completed, paused, stopped);
+EXIT_CONFIG (2) = configuration refused, by ds3d or by DeepSpeed (restarting would not help);
+12 = out of memory (an `oom` fault record with the evidence was written first, trainer/oom.py);
+anything else is a crash the agent may restart.
+
+`main` is wrapped in torch elastic's `@record`: an exception, and a refusal, is written as JSON to
+the error file the agent names (TORCHELASTIC_ERROR_FILE), so the agent reads the worker's error
+from there instead of scraping its stderr.
 """
 
 from __future__ import annotations
@@ -21,10 +26,25 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
+
 from .config import JobConfig, build_job_config
 from .errors import Ds3dError
+from .exit_codes import EXIT_CONFIG
 
-EXIT_CONFIG = 2
+
+def config_refusal(e: BaseException) -> bool:
+    """True for errors that a restart cannot fix: ds3d's own refusals and DeepSpeed refusing
+    its configuration (DeepSpeedConfigError, or a pydantic ValidationError of its config
+    models, e.g. an unknown key under `zero_optimization`)."""
+    if isinstance(e, Ds3dError):
+        return True
+    from pydantic import ValidationError
+
+    if isinstance(e, ValidationError):
+        return True
+    return type(e).__name__ == "DeepSpeedConfigError" and \
+        type(e).__module__.startswith("deepspeed.")
 
 
 def _load_config(args: argparse.Namespace, rank: int) -> tuple[JobConfig, Path]:
@@ -43,6 +63,7 @@ def _load_config(args: argparse.Namespace, rank: int) -> tuple[JobConfig, Path]:
     return cfg, run_dir
 
 
+@record
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="ds3d-worker", description=__doc__.split("\n")[0])
     ap.add_argument("--run-dir", required=True, help="job run directory (holds job.json)")
@@ -64,19 +85,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg, run_dir = _load_config(args, env.rank)
         return _train(cfg, run_dir, env, args.stop_at_step)
-    except Ds3dError as e:
+    except Exception as e:  # noqa: BLE001 - a refusal exits EXIT_CONFIG, the rest re-raised
+        if not config_refusal(e):
+            raise  # @record writes the error file; the agent may restart the group
+        ErrorHandler().record_exception(e)  # the agent's structured error, as @record would
         log.error("refused", error=str(e))
         print(f"ds3d-worker: {e}", file=sys.stderr)
         return EXIT_CONFIG
 
 
 def _train(cfg: JobConfig, run_dir: Path, env, stop_at_step: int | None) -> int:
+    import torch
+
     from .layout import ParallelLayout, init_distributed, pick_device
     from .loop import Trainer
     from .oom import exit_now, is_oom, oom_evidence, report_oom
     from .report import Reporter
-
-    import torch
 
     torch.manual_seed(cfg.train.seed)
     device = pick_device(cfg, env.local_rank)
