@@ -27,9 +27,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from support import records, torchrun
 
 from ds3d.checkpoints.export import export
+
+from support import records, torchrun
 
 STEPS = 5
 BASE = [f"train.steps={STEPS}", "train.micro_batch_size=2", "train.global_batch_size=8",
