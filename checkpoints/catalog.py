@@ -26,6 +26,7 @@ from pydantic import ValidationError
 from ds3d.trainer.errors import CheckpointError, NotFoundError, StateError, TransientStorageError
 
 from . import layout
+from .deepspeed_latest import refresh_local_latest
 from .manifest import FileEntry, Manifest, hash_file, save_local_manifest
 from .retention import plan_retention
 from .storage import Storage
@@ -296,6 +297,7 @@ class Catalog:
                                  "be the only one; pass force to delete it anyway")
             shutil.rmtree(self.local_dir / self._local_tag(step), ignore_errors=True)
             shutil.rmtree(layout.local_state_dir(self.local_dir, step), ignore_errors=True)
+            refresh_local_latest(self.local_dir)
         log.info("checkpoint_deleted", step=step, store=store, local=local)
 
     def _unfinished_local(self, step: int) -> bool:

@@ -1,19 +1,28 @@
 """Consolidated model weights out of any committed checkpoint, whatever its (TP, PP, DP) layout.
 
-DeepSpeed's `zero_to_fp32` fails on pipeline checkpoints, so this is ds3d's own path: the
-pipeline engine writes every layer's weights per TP rank (`layer_LL-model_TT-model_states.pt`,
-DP replicas are identical and written once); the shards of each parameter are joined along the
-axis the trainer split them on (the same patterns the universal checkpoint uses), replicated
-parameters are taken once. The result is a safetensors file with the names of the
-single-process model (`GPTSequential`, "<layer>.<param>") and a config.json stating the
-architecture, loadable by plain PyTorch:
+DeepSpeed's `zero_to_fp32` fails on pipeline checkpoints, so this is ds3d's own path. The
+pipeline engine (ZeRO-0/1) writes every layer's weights per TP rank
+(`layer_LL-model_TT-model_states.pt`); the plain engine (PP = 1, ZeRO-2) writes the whole
+module per TP rank (`mp_rank_TT_model_states.pt`); DP replicas are identical and written once.
+The shards of each parameter are joined along the axis the trainer split them on (the same
+patterns the universal checkpoint uses), replicated parameters are taken once. ZeRO-3 keeps no
+module weights (they live partitioned in the optimizer state): its fp32 weights are gathered per
+TP rank by DeepSpeed's own `zero_to_fp32` from the optimizer shards, then joined the same way.
 
-    python -m ds3d.checkpoints.export --store file:///…/store/JOB [--step N] --out DIR
-    model = load_exported(DIR)            # a torch.nn.Module, TP = PP = 1
+Two output formats:
+  * "ds3d" (default): model.safetensors with the names of the single-process model
+    (`GPTSequential`, "<layer>.<param>") and a config.json stating the architecture, loadable
+    by plain PyTorch with `load_exported(DIR)`;
+  * "hf": a Hugging Face `GPTNeoXForCausalLM` folder (config.json, model.safetensors, and the
+    tokenizer's files when the tokenizer is known) that `transformers.AutoModelForCausalLM`
+    loads; the mapping is exact (trainer/hf_export.py).
+
+    python -m ds3d.checkpoints.export --store file:///…/store/JOB [--step N] --out DIR \
+        [--format hf [--tokenizer tokenizer.json]]
 
 Weights are exported in the dtype the engine holds its module in (fp32 for fp32 jobs; bf16 or
 fp16 module weights for mixed-precision jobs, whose fp32 master copies live in the optimizer
-state). ZeRO-3 checkpoints (weights partitioned across DP) are refused.
+state); ZeRO-3 exports are fp32.
 """
 
 from __future__ import annotations
@@ -32,6 +41,8 @@ from .catalog import Catalog
 from .storage import open_storage
 
 _LAYER_FILE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
+_MODEL_STATES = "mp_rank_00_model_states.pt"  # pipeline and ZeRO-0/1/2 engines, TP rank 0
+_ZERO3_STATES = "zero_pp_rank_0_mp_rank_00_model_states.pt"  # ZeRO-3: one per DP rank
 
 
 def _join_axis(name: str) -> int | None:
@@ -49,7 +60,27 @@ def _join_axis(name: str) -> int | None:
 
 
 def consolidate(ckpt_dir: Path, tp: int) -> dict[str, Any]:
-    """{"<layer>.<param>": full tensor} from the per-layer, per-TP-rank files of one tag."""
+    """{"<layer>.<param>": full tensor} from one tag's files, whichever engine wrote them."""
+    if any(_LAYER_FILE.match(f.name) for f in ckpt_dir.iterdir()):
+        return _join_tp(_pipeline_shards(ckpt_dir), tp)
+    if (ckpt_dir / _ZERO3_STATES).is_file():  # ZeRO-3: the weights live in the optimizer shards
+        modules = {r: _zero3_weights(ckpt_dir, r) for r in range(tp)}
+    elif (ckpt_dir / _MODEL_STATES).is_file():
+        modules = {r: _module_of(ckpt_dir, r) for r in range(tp)}
+    else:
+        raise CheckpointError(f"{ckpt_dir} holds neither pipeline layer files (layer_*-model_*) "
+                              f"nor {_MODEL_STATES} / {_ZERO3_STATES}: not a DeepSpeed checkpoint "
+                              "written by ds3d")
+    by_layer: dict[int, dict[int, dict[str, Any]]] = {}
+    for r, module in modules.items():
+        for qualified, tensor in module.items():
+            layer, name = qualified.split(".", 1)
+            by_layer.setdefault(int(layer), {}).setdefault(r, {})[name] = tensor
+    return _join_tp(by_layer, tp)
+
+
+def _pipeline_shards(ckpt_dir: Path) -> dict[int, dict[int, dict[str, Any]]]:
+    """layer -> TP rank -> {param: tensor}, from the pipeline engine's per-layer files."""
     import torch
 
     shards: dict[int, dict[int, dict[str, Any]]] = {}
@@ -58,9 +89,46 @@ def consolidate(ckpt_dir: Path, tp: int) -> dict[str, Any]:
         if m:
             shards.setdefault(int(m.group(1)), {})[int(m.group(2))] = torch.load(
                 f, map_location="cpu", weights_only=False)
-    if not shards:
-        raise CheckpointError(f"{ckpt_dir} has no pipeline layer files (layer_*-model_*): only "
-                              "pipeline-engine checkpoints (ZeRO-0/1) can be exported")
+    return shards
+
+
+def _module_of(ckpt_dir: Path, tp_rank: int) -> dict[str, Any]:
+    """The plain engine's module state of one TP rank ("<layer>.<param>" names)."""
+    path = ckpt_dir / f"mp_rank_{tp_rank:02d}_model_states.pt"
+    if not path.is_file():
+        raise CheckpointError(f"{path.name} is missing from {ckpt_dir}: TP rank {tp_rank}'s "
+                              "weights are not in this checkpoint")
+    module = _load(path).get("module")
+    if not isinstance(module, dict) or not module:
+        raise CheckpointError(f"{path} holds no module weights")
+    return module
+
+
+def _zero3_weights(ckpt_dir: Path, tp_rank: int) -> dict[str, Any]:
+    """fp32 weights of one TP rank of a ZeRO-3 checkpoint, gathered from its DP ranks' optimizer
+    shards by DeepSpeed's zero_to_fp32 (which expects one TP rank per folder: it is given a
+    folder of links to this rank's files only)."""
+    import os
+
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    suffix = f"mp_rank_{tp_rank:02d}_"
+    mine = [f for f in ckpt_dir.iterdir() if suffix in f.name]
+    with tempfile.TemporaryDirectory(prefix="ds3d-zero3-") as tmp:
+        tag_dir = Path(tmp) / ckpt_dir.name
+        tag_dir.mkdir()
+        for f in mine:
+            os.symlink(f.resolve(), tag_dir / f.name)
+        try:
+            return dict(get_fp32_state_dict_from_zero_checkpoint(tmp, tag=ckpt_dir.name))
+        except (FileNotFoundError, ValueError, KeyError) as e:
+            raise CheckpointError(f"gathering the ZeRO-3 weights of TP rank {tp_rank} from "
+                                  f"{ckpt_dir} failed: {e}") from None
+
+
+def _join_tp(shards: dict[int, dict[int, dict[str, Any]]], tp: int) -> dict[str, Any]:
+    import torch
+
     out: dict[str, Any] = {}
     for layer in sorted(shards):
         ranks = shards[layer]
@@ -73,9 +141,26 @@ def consolidate(ckpt_dir: Path, tp: int) -> dict[str, Any]:
     return out
 
 
-def export(store_url: str, out_dir: str | Path, step: int | None = None) -> dict[str, Any]:
-    """Writes OUT/model.safetensors and OUT/config.json from the job whose store prefix is
-    `store_url`; returns the config written."""
+def _load(path: Path) -> dict[str, Any]:
+    import torch
+
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+FORMATS = ("ds3d", "hf")
+
+
+def export(store_url: str, out_dir: str | Path, step: int | None = None, fmt: str = "ds3d",
+           tokenizer: str | None = None) -> dict[str, Any]:
+    """Writes the weights of the job whose store prefix is `store_url` to OUT: format "ds3d"
+    (model.safetensors + config.json for `load_exported`) or "hf" (a transformers GPT-NeoX
+    folder, with the tokenizer's files when `tokenizer` is given). Returns a summary: step,
+    parameters, dtype, source_layout, files, config."""
+    if fmt not in FORMATS:
+        raise CheckpointError(f"export format {fmt!r} is unknown; use one of {', '.join(FORMATS)}")
+    if tokenizer is not None and fmt != "hf":
+        raise CheckpointError("a tokenizer is written only with the hf format; add --format hf "
+                              "or leave --tokenizer out")
     from safetensors.torch import save_file
 
     storage = open_storage(store_url)
@@ -86,30 +171,47 @@ def export(store_url: str, out_dir: str | Path, step: int | None = None) -> dict
             what = f"step {step}" if step is not None else "any step"
             raise CheckpointError(f"no complete, verified checkpoint of {what} in {store_url}")
         m = found.manifest
-        ds_state = _read_model_states(Path(scratch) / m.tag)
+        tag_dir = Path(scratch) / m.tag
+        ds_state = _read_model_states(tag_dir)
         job = ds_state.get("ds_config", {})
-        tensors = consolidate(Path(scratch) / m.tag, m.layout.tp)
-        model_cfg = _model_config(Path(scratch) / m.tag)
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(out / "model.safetensors"))
+        tensors = consolidate(tag_dir, m.layout.tp)
+        model_cfg = _model_config(tag_dir)
+    out = Path(out_dir)
+    dtype = str(next(iter(tensors.values())).dtype).replace("torch.", "")
+    summary = {"job": m.job, "step": m.step, "tokens_seen": m.tokens_seen,
+               "source_layout": m.layout.model_dump(), "model_hash": m.model_hash,
+               "dtype": dtype, "train_batch_size": job.get("train_batch_size"),
+               "zero_stage": job.get("zero_optimization", {}).get("stage"),
+               "parameters": sum(t.numel() for t in tensors.values()), "format": fmt}
+    if fmt == "hf":
+        from ds3d.trainer.config import ModelConfig
+        from ds3d.trainer.errors import ConfigError
+        from ds3d.trainer.hf_export import write_hf
+
+        try:
+            written = write_hf(out, tensors, ModelConfig.model_validate(model_cfg), tokenizer,
+                               {k: summary[k] for k in ("job", "step", "tokens_seen",
+                                                        "source_layout", "model_hash")})
+        except ConfigError as e:
+            raise CheckpointError(str(e)) from None
+        return {**summary, "files": written["files"], "config": written["config"],
+                "tokenizer": tokenizer}
     config = {"architecture": "ds3d-gpt", "format": 1, "model": model_cfg,
               "positions": "rotary", "norm": "pre-layernorm", "mlp": "gelu",
-              "tied_embeddings": False, "job": m.job, "step": m.step,
-              "tokens_seen": m.tokens_seen, "source_layout": m.layout.model_dump(),
-              "model_hash": m.model_hash,
-              "dtype": str(next(iter(tensors.values())).dtype).replace("torch.", ""),
-              "train_batch_size": job.get("train_batch_size"),
-              "parameters": sum(t.numel() for t in tensors.values())}
+              "tied_embeddings": False, **{k: v for k, v in summary.items() if k != "format"}}
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return config
+    return {**config, "files": ["config.json", "model.safetensors"], "config": config}
 
 
 def _read_model_states(tag_dir: Path) -> dict[str, Any]:
     import torch
 
-    path = tag_dir / "mp_rank_00_model_states.pt"
-    return torch.load(path, map_location="cpu", weights_only=False) if path.exists() else {}
+    for name in (_MODEL_STATES, _ZERO3_STATES):
+        if (tag_dir / name).exists():
+            return torch.load(tag_dir / name, map_location="cpu", weights_only=False)
+    return {}
 
 
 def _model_config(tag_dir: Path) -> dict[str, Any]:
@@ -146,19 +248,24 @@ def load_exported(path: str | Path):
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ds3d.checkpoints.export",
                                  description="consolidated weights (safetensors + config.json) "
-                                 "from a committed ds3d checkpoint of any (TP, PP, DP) layout")
+                                 "from a committed ds3d checkpoint of any (TP, PP, DP) layout "
+                                 "and ZeRO stage, as ds3d's format or Hugging Face GPT-NeoX")
     ap.add_argument("--store", required=True, help="the job's store prefix, e.g. "
                     "s3://bucket/ds3d/JOB or file:///state/jobs/JOB/store/JOB")
     ap.add_argument("--step", type=int, help="default: the newest committed checkpoint")
     ap.add_argument("--out", required=True, help="output folder")
+    ap.add_argument("--format", choices=FORMATS, default="ds3d", help="ds3d: safetensors for "
+                    "load_exported; hf: a transformers GPT-NeoX folder")
+    ap.add_argument("--tokenizer", help="hf format: the tokenizer the data was made with "
+                    "(tokenizer.json or folder), written beside the model")
     args = ap.parse_args(argv)
     try:
-        cfg = export(args.store, args.out, args.step)
+        cfg = export(args.store, args.out, args.step, args.format, args.tokenizer)
     except Ds3dError as e:
         print(f"export: {e}", file=sys.stderr)
         return 2
     print(f"exported step {cfg['step']} ({cfg['parameters']:,} parameters, {cfg['dtype']}) "
-          f"to {args.out}")
+          f"to {args.out} as {args.format}: {', '.join(cfg['files'])}")
     return 0
 
 

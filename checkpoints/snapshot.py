@@ -151,6 +151,8 @@ class SnapshotCheckpointEngine(CheckpointEngine):
             return type(obj)((k, self._to_host(v, name, counter)) for k, v in obj.items())
         if isinstance(obj, list):
             return [self._to_host(v, name, counter) for v in obj]
+        if isinstance(obj, torch.Size):  # a tuple, but DeepSpeed's tools call .numel() on it
+            return obj
         if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
             return tuple(self._to_host(v, name, counter) for v in obj)
         return obj

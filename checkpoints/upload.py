@@ -49,6 +49,7 @@ from ds3d.trainer.errors import CheckpointError, Ds3dError, NotFoundError
 from ds3d.trainer.logs import configure_logging
 
 from . import layout
+from .deepspeed_latest import refresh_local_latest, write_store_latest
 from .manifest import (
     CheckpointMeta,
     Layout,
@@ -189,6 +190,7 @@ def commit_checkpoint(storage: Storage, step: int, world_size: int, meta: Checkp
             raise CheckpointError(f"step {step}: {entry.path} is "
                                   f"{'missing' if size is None else f'{size} bytes'} in the "
                                   f"store, its part says {entry.size} bytes")
+    write_store_latest(storage, step, meta.tag)  # DeepSpeed's pointer inside files/
     key = layout.manifest_key(step)
     data = manifest.to_json()
     # Check first, then put-if-absent: on a store that ignores the condition, the check still
@@ -365,6 +367,7 @@ class Uploader:
                     timeout=min(self.commit_timeout, RESUMED_COMMIT_TIMEOUT_S) if job.resumed
                     else self.commit_timeout)
                 save_local_manifest(self.local_dir, manifest)
+                refresh_local_latest(self.local_dir)
                 write_marker(self.local_dir, job.step, self.rank, "committed", job.files, job.meta)
                 self._emit("committed", job, t0)
             with self._lock:

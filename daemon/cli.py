@@ -113,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output folder, or s3://bucket/prefix")
     p.add_argument("--store", help="the job's store prefix, when RUN_DIR/job.json cannot be "
                    "read from here")
+    p.add_argument("--format", choices=("ds3d", "hf"), default="ds3d", help="ds3d: safetensors "
+                   "for load_exported; hf: a Hugging Face GPT-NeoX folder (transformers)")
+    p.add_argument("--tokenizer", help="hf: tokenizer written beside the model (default: the "
+                   "job's data.tokenizer)")
     p = sub.add_parser("checkpoints", help="checkpoints of a job")
     p.add_argument("job")
     p.add_argument("--json", action="store_true")
@@ -525,28 +529,35 @@ def _export(client: Any, args: argparse.Namespace, out: Any) -> None:
     from ds3d.trainer.config import JobConfig
     from ds3d.trainer.errors import NotFoundError
 
-    store = args.store
-    if store is None:
+    store, tokenizer = args.store, args.tokenizer
+    if store is None or (args.format == "hf" and tokenizer is None):
         run_dir = client.call("GetJob", pb.JobRef(name=args.job)).job.run_dir
         job_json = Path(run_dir) / "job.json"
         if not job_json.is_file():
             raise NotFoundError(f"{job_json} is not readable from here; run export on the job's "
-                                "head node, or give --store (the job's store prefix)")
+                                "head node, or give --store (the job's store prefix)"
+                                + (" and --tokenizer" if args.format == "hf" else ""))
         cfg = JobConfig.load_json(job_json)
-        store = job_store_url(cfg.checkpoint.store, cfg.name, run_dir)
+        store = store or job_store_url(cfg.checkpoint.store, cfg.name, run_dir)
+        if args.format == "hf":
+            tokenizer = cfg.data.tokenizer
     from ds3d.checkpoints.export import export
 
     if args.out.startswith("s3://"):
         with tempfile.TemporaryDirectory(prefix="ds3d-export-") as tmp:
-            cfg_out = export(store, tmp, args.step)
+            cfg_out = export(store, tmp, args.step, args.format, tokenizer)
             dest = open_storage(args.out)
-            for name in ("model.safetensors", "config.json"):
+            for name in cfg_out["files"]:
                 dest.put_file(Path(tmp) / name, name)
     else:
-        cfg_out = export(store, args.out, args.step)
+        cfg_out = export(store, args.out, args.step, args.format, tokenizer)
+    how = ("transformers.AutoModelForCausalLM.from_pretrained(PATH)" if args.format == "hf"
+           else "ds3d.checkpoints.export.load_exported(PATH)")
+    note = ("" if args.format != "hf" or tokenizer else
+            "; no tokenizer known (set data.tokenizer or give --tokenizer), none written")
     print(f"{args.job}: exported step {cfg_out['step']} ({cfg_out['parameters']:,} parameters, "
-          f"{cfg_out['dtype']}) to {args.out}; load with "
-          "ds3d.checkpoints.export.load_exported(PATH)", file=out)
+          f"{cfg_out['dtype']}) to {args.out}: {', '.join(cfg_out['files'])}; load with "
+          f"{how}{note}", file=out)
 
 
 def main(argv: list[str] | None = None) -> None:

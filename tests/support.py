@@ -48,3 +48,20 @@ def records(run_dir: Path, rank: int = 0, kind: str | None = None) -> list[dict[
 def losses(run_dir: Path) -> dict[int, float]:
     """step -> loss, as reported by rank 0 (the last report wins for re-run steps)."""
     return {r["step"]: r["loss"] for r in records(run_dir, 0, "step")}
+
+
+def byte_level_bpe(path: Path, vocab_size: int = 512) -> Path:
+    """A real byte-level BPE tokenizer (GPT-2's algorithm and pre-tokenizer, `<|endoftext|>` as
+    its end-of-document token) trained on the public-domain text in trainer/assets and saved as
+    a tokenizer.json: GPT-2's own files are not shipped by any package and cannot be downloaded
+    here."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train([str(REPO / "trainer" / "assets" / "public_domain.txt")], trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(path))
+    return path

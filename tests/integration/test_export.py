@@ -9,6 +9,7 @@ import torch
 from ds3d.checkpoints.export import export, load_exported
 from ds3d.trainer.config import build_job_config
 from ds3d.trainer.data import BatchPlan
+
 from support import losses, torchrun
 
 SETS = ["train.steps=6", "train.warmup_steps=2", "parallel.tp=2", "parallel.pp=2"]
@@ -50,3 +51,58 @@ def test_export_refuses_a_missing_step(tmp_path):
     (tmp_path / "store").mkdir()
     with pytest.raises(CheckpointError, match="no complete, verified checkpoint of step 7"):
         export(f"file://{tmp_path}/store", tmp_path / "out", step=7)
+
+
+def _fp32_by_deepspeed(local_dir):
+    """DeepSpeed's own consolidation, told no tag: it reads the `latest` ds3d wrote."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(str(local_dir))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_export_of_a_pp1_zero2_checkpoint_reproduces_the_job(tmp_path):
+    """PP = 1 with ZeRO-2 runs on DeepSpeed's plain engine (whole-module files, no layer
+    files); its export gives the job's next loss and DeepSpeed's own fp32 weights."""
+    from safetensors.torch import load_file
+
+    sets = ["train.steps=4", "parallel.zero_stage=2", "parallel.dp=2"]
+    run = tmp_path / "run"
+    torchrun(run, 2, sets=sets, extra=["--stop-at-step", "3"])
+    torchrun(run, 2, sets=sets)  # its step 4 trains with step 3's weights
+    cfg = export(f"file://{run}/store/tiny", tmp_path / "out", step=3)
+    assert cfg["zero_stage"] == 2 and cfg["source_layout"]["dp"] == 2
+    job = build_job_config("tiny", sets)
+    assert cfg["parameters"] == job.model.n_params()
+
+    assert (run / "ckpt" / "latest").read_text() == "global_step4"
+    ours = load_file(str(tmp_path / "out" / "model.safetensors"))
+    (run / "ckpt" / "latest").write_text("global_step3")  # DeepSpeed's view of step 3
+    theirs = _fp32_by_deepspeed(run / "ckpt")
+    assert set(theirs) == set(ours) and all(torch.equal(theirs[k], ours[k]) for k in ours)
+
+    model = load_exported(tmp_path / "out")
+    plan = BatchPlan(job, dp=1, dp_rank=0)
+    with torch.no_grad():
+        micro = [model(torch.from_numpy(x), torch.from_numpy(y)).item()
+                 for x, y in plan.step_iterator(3)]
+    assert sum(micro) / len(micro) == pytest.approx(losses(run)[4], rel=1e-5, abs=0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_export_of_a_zero3_checkpoint_gathers_the_partitioned_weights(tmp_path):
+    """ZeRO-3 keeps no module weights: export gathers them from the DP ranks' optimizer shards."""
+    from safetensors.torch import load_file
+
+    sets = ["train.steps=2", "checkpoint.interval=2", "parallel.zero_stage=3", "parallel.dp=2"]
+    run = tmp_path / "run"
+    torchrun(run, 2, sets=sets)
+    cfg = export(f"file://{run}/store/tiny", tmp_path / "out")
+    assert cfg["step"] == 2 and cfg["zero_stage"] == 3 and cfg["dtype"] == "float32"
+    assert cfg["parameters"] == build_job_config("tiny", sets).model.n_params()
+    ours = load_file(str(tmp_path / "out" / "model.safetensors"))
+    theirs = _fp32_by_deepspeed(run / "ckpt")
+    assert set(theirs) == set(ours) and all(torch.equal(theirs[k], ours[k]) for k in ours)
+    assert load_exported(tmp_path / "out") is not None

@@ -13,22 +13,9 @@ import pytest
 from ds3d.trainer.config import build_job_config
 from ds3d.trainer.data import BatchPlan
 from ds3d.trainer.indexed_dataset import IndexedDataset
-from support import REPO, losses, torchrun, worker_env
+from support import REPO, byte_level_bpe, losses, torchrun, worker_env
 
 TEXT = REPO / "trainer" / "assets" / "public_domain.txt"
-
-
-def train_bpe(out, vocab_size=512):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train([str(TEXT)], trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.save(str(out))
-    return out
 
 
 def encode(inputs, prefix, tokenizer):
@@ -44,7 +31,7 @@ def encode(inputs, prefix, tokenizer):
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_tiny_learns_an_indexed_blend_made_with_a_bpe_tokenizer(tmp_path):
-    tokenizer = train_bpe(tmp_path / "tokenizer.json")
+    tokenizer = byte_level_bpe(tmp_path / "tokenizer.json")
     paragraphs = [p for p in TEXT.read_text().split("\n\n") if p.strip()]
     half = len(paragraphs) // 2
     for name, part in (("first", paragraphs[:half]), ("second", paragraphs[half:])):

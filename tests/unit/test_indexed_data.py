@@ -14,7 +14,7 @@ from ds3d.trainer.data import BatchPlan, IndexedBlend, encode_indexed
 from ds3d.trainer.data import _main as data_main
 from ds3d.trainer.errors import ConfigError
 from ds3d.trainer.indexed_dataset import IndexedDataset, IndexedDatasetWriter
-from support import REPO
+from support import REPO, byte_level_bpe
 
 TEXT = REPO / "trainer" / "assets" / "public_domain.txt"
 
@@ -173,20 +173,14 @@ def test_out_of_vocabulary_tokens_name_the_dataset(tmp_path):
 
 @pytest.fixture(scope="module")
 def bpe(tmp_path_factory):
-    """A real byte-level BPE (GPT-2's algorithm and pre-tokenizer) trained on the shipped text,
-    saved both as tokenizer.json and as GPT-2's vocab.json + merges.txt pair."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    """A real byte-level BPE saved both as tokenizer.json and as GPT-2's vocab.json + merges.txt
+    pair."""
+    from tokenizers import Tokenizer
 
     out = tmp_path_factory.mktemp("bpe")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train([str(TEXT)], trainers.BpeTrainer(
-        vocab_size=500, special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.save(str(out / "tokenizer.json"))
+    byte_level_bpe(out / "tokenizer.json", vocab_size=500)
     (out / "gpt2").mkdir()
-    tok.model.save(str(out / "gpt2"))
+    Tokenizer.from_file(str(out / "tokenizer.json")).model.save(str(out / "gpt2"))
     return out
 
 
