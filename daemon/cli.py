@@ -19,7 +19,8 @@ configuration, or a request the daemon refuses — is a message on stderr and ex
 traceback; an unreachable daemon is exit code 3.
 
 This module imports grpc, the generated stubs and the pydantic config only — never torch or
-deepspeed — so the CLI starts in a fraction of a second.
+deepspeed — so the CLI starts in a fraction of a second; `start` and `check` import DeepSpeed's
+config parser (~1.5 s) to check the DeepSpeed config a job's workers will get.
 """
 
 from __future__ import annotations
