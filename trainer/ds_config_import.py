@@ -44,6 +44,7 @@ class Translation:
     checks: list[Callable[[Any], str | None]] = field(default_factory=list)  # on the final job
     derived_accum: int | None = None  # accumulation the JSON's batch keys imply at ds3d's DP
     steps_per_print: int | None = None  # the JSON's, for wall_clock_breakdown
+    disabled: list[tuple[str, str]] = field(default_factory=list)  # (precision, key) set false
 
     def set(self, path: FieldPath, value: Any, key: str) -> None:
         self.fields[path] = value
@@ -226,6 +227,8 @@ def _precision_block(kind: str) -> Callable[[Translation, str, Any], None]:
         if _given(enabled) and _flag(tr, f"{key}.enabled", enabled):
             if enabled:
                 tr.set(("train", "precision"), kind, f"{key}.enabled")
+            else:
+                tr.disabled.append((kind, f"{key}.enabled"))
             tr.checks.append(lambda cfg, e=enabled: _precision_agrees(cfg, key, kind, e))
         elif enabled == AUTO:
             tr.notes.append(f"{key}.enabled=\"auto\": train.precision decides")
@@ -539,6 +542,10 @@ def import_into(data: dict[str, Any], explicit: dict[FieldPath, str]) -> Transla
     ds = read_deepspeed_json(path)
     dp = _get(data, ("parallel", "dp"))
     tr = translate(ds, dp if isinstance(dp, int) and dp > 0 else 1)
+    current = _get(data, ("train", "precision"))
+    for kind, key in tr.disabled:
+        if ("train", "precision") not in tr.fields and current == kind:
+            tr.set(("train", "precision"), "fp32", key)  # DeepSpeed's meaning: neither block on
     for fpath, value in tr.fields.items():
         where = explicit.get(fpath)
         if fpath == ("train", "grad_accum_steps") and value is None:

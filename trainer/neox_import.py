@@ -303,8 +303,8 @@ def _vocab_size(neox: dict[str, Any], tp: int, refuse: Any) -> int | None:
     if kind == "HFTokenizer":
         size = _HF_TOKENIZER_VOCAB.get(Path(str(neox.get("vocab_file", ""))).name)
     if size is None:
-        refuse("tokenizer_type", "ds3d cannot tell this tokenizer's vocabulary size; add "
-               "padded_vocab_size to the YAML or --set model.vocab_size=N")
+        refuse("tokenizer_type", "ds3d cannot tell this tokenizer's vocabulary size from the "
+               "YAML; add padded_vocab_size: N to it")
         return None
     multiple = int(neox.get("make_vocab_size_divisible_by", 128)) * tp
     return math.ceil(size / multiple) * multiple

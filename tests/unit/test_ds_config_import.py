@@ -85,6 +85,14 @@ def test_a_json_never_silently_overrides_an_explicit_setting(tmp_path):
     assert job("tiny", f, ["train.precision=\"fp16\""]).train.precision == "fp16"
 
 
+def test_a_disabled_precision_block_means_fp32_as_in_deepspeed(tmp_path):
+    f = ds_file(tmp_path, {"bf16": {"enabled": False}})
+    assert job("gpt125m", f).train.precision == "fp32"  # the preset's bf16, switched off
+    assert "bf16.enabled" in refusal("gpt125m", f, ["train.precision=bf16"])
+    assert job("tiny", ds_file(tmp_path, {"fp16": {"enabled": False}}, "f.json")
+               ).train.precision == "fp32"
+
+
 def test_layout_rules_apply_to_the_effective_values(tmp_path):
     f = ds_file(tmp_path, {"zero_optimization": {"stage": 2}})
     msg = refusal("tiny", f, ["parallel.pp=2"])
