@@ -13,7 +13,8 @@ LEGAL = [
     (JobState.RUNNING, JobState.PAUSED), (JobState.PAUSED, JobState.RUNNING),
     (JobState.PAUSED, JobState.STARTING), (JobState.RUNNING, JobState.RECOVERING),
     (JobState.RECOVERING, JobState.RUNNING),
-    *[(s, end) for s in LIVE for end in TERMINAL],
+    # sets, sorted: pytest-xdist needs every worker to collect the same ids in the same order
+    *[(s, end) for s in sorted(LIVE, key=str) for end in sorted(TERMINAL, key=str)],
 ]
 
 
