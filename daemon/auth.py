@@ -1,11 +1,26 @@
-"""Who may talk to ds3dd: the listen policy, TLS credentials and the bearer-token check.
+"""Who may talk to ds3dd: the listen policy, TLS credentials, and two principals, clients and
+peers.
 
-Policy (checked before the server binds, so a mistake stops the daemon with a clear message
-instead of exposing it): a loopback TCP address or a unix socket may run without TLS and, unless
-a token file is given, without a token — only local users reach it. Any other address requires
-TLS with client certificates (mutual TLS: the daemons of a multi-node job authenticate each
-other by certificate, clients too) *and* a bearer token. Health checks are answered without a
-token so that load balancers and probes need no secret.
+Listen policy (checked before the server binds, so a mistake stops the daemon with a clear
+message instead of exposing it): a loopback TCP address or a unix socket may run without TLS
+and, unless a token file is given, without a client token — only local users reach it. Any
+other address requires TLS with client certificates (mutual TLS) *and* a bearer token. Health
+checks are answered without credentials so that load balancers and probes need no secret.
+
+Principals. The node-to-node RPCs (`PEER_METHODS`: StartShare starts processes, ShareControl
+writes control files, StopShare, PullReports, NodeStatus) are for the daemons of a job only,
+never for a client, on any listen address, loopback included:
+
+* a peer proves itself with the **peer token** (`--peer-token-file`, a secret of its own shared
+  by the job's daemons, which must differ from the client token), and/or, under mutual TLS,
+  with a **certificate whose name is a peer's** (`--peer-names`: the CN or a DNS/IP subject
+  alternative name of each daemon's certificate). Every check configured must pass;
+* a daemon with neither takes no part in multi-node jobs and refuses every peer RPC;
+* the client token is valid on the client RPCs only, the peer token on the peer RPCs only.
+
+Status codes as gRPC defines them: no credential, or a token this daemon does not know, is
+UNAUTHENTICATED; a valid credential of the wrong principal (a client calling StartShare, a
+client certificate that is not a peer's) is PERMISSION_DENIED.
 """
 
 from __future__ import annotations
@@ -24,6 +39,10 @@ from ds3d.trainer.errors import ConfigError, PermissionError_
 from .errors import UnauthenticatedError, status_code
 
 UNAUTHENTICATED_METHODS = ("/grpc.health.v1.Health/",)
+PEER_METHODS = frozenset(f"/ds3d.v1.Control/{m}" for m in (
+    "StartShare", "ShareControl", "StopShare", "PullReports", "NodeStatus"))
+PEER_TOKEN_HINT = ("start every daemon of a multi-node job with the same --peer-token-file (or, "
+                   "under mutual TLS, --peer-names listing the daemons' certificate names)")
 
 
 def is_local_address(listen: str) -> bool:
@@ -56,16 +75,53 @@ class TlsFiles:
             certificate_chain=self.cert.read_bytes())
 
 
-def read_token(path: str | Path) -> str:
+def read_token(path: str | Path, flag: str = "--token-file") -> str:
     """The bearer token: the file's first line, at least 16 characters."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"--token-file {str(p)!r} does not exist")
+        raise ConfigError(f"{flag} {str(p)!r} does not exist")
     token = p.read_text().strip().splitlines()[0].strip() if p.read_text().strip() else ""
     if len(token) < 16:
-        raise ConfigError(f"--token-file {str(p)!r}: the token must be at least 16 characters "
+        raise ConfigError(f"{flag} {str(p)!r}: the token must be at least 16 characters "
                           "(e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)")
     return token
+
+
+@dataclass(frozen=True)
+class PeerAuth:
+    """How this daemon recognises the other daemons of a job (see the module docstring)."""
+
+    token: str | None = None
+    cert_names: frozenset[str] = frozenset()
+
+    @property
+    def configured(self) -> bool:
+        return bool(self.token or self.cert_names)
+
+
+def peer_auth(peer_token_file: str | None, peer_names: str | None, client_token: str | None,
+              tls: TlsFiles | None) -> PeerAuth:
+    """The peer credentials from ds3dd's flags, checked: a peer token distinct from the client
+    token, peer names only with mutual TLS."""
+    token = read_token(peer_token_file, "--peer-token-file") if peer_token_file else None
+    if token is not None and client_token is not None and \
+            hmac.compare_digest(token.encode(), client_token.encode()):
+        raise ConfigError("--peer-token-file holds the client token: peers and clients are "
+                          "different principals; give the daemons a peer token of their own")
+    names = frozenset(n.strip() for n in (peer_names or "").split(",") if n.strip())
+    if names and tls is None:
+        raise ConfigError("--peer-names checks the certificate of the calling daemon, which "
+                          "needs mutual TLS: add --tls-cert, --tls-key and --tls-ca, or use "
+                          "--peer-token-file")
+    return PeerAuth(token, names)
+
+
+def certificate_names(context: grpc.ServicerContext) -> set[str]:
+    """The caller's certificate names under mutual TLS: its CN and subject alternative names."""
+    auth = context.auth_context() or {}
+    return {v.decode(errors="replace") for key in ("x509_common_name",
+                                                   "x509_subject_alternative_name")
+            for v in auth.get(key, [])}
 
 
 def check_listen_policy(listen: str, tls: TlsFiles | None, token: str | None) -> None:
@@ -99,11 +155,21 @@ def tls_files(cert: str | None, key: str | None, ca: str | None) -> TlsFiles | N
     return TlsFiles(Path(cert or ""), Path(key or ""), Path(ca or ""))
 
 
-class TokenInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]  # grpc has no stubs here
-    """Requires `authorization: Bearer <token>` metadata on every RPC except health checks."""
+class AuthInterceptor(grpc.ServerInterceptor):
+    """Clients and peers (module docstring): the bearer token of `authorization` metadata, and
+    for the peer RPCs the peer credential (token and/or certificate name)."""
 
-    def __init__(self, token: str) -> None:
-        self._token = token.encode()
+    def __init__(self, client_token: str | None, peer: PeerAuth) -> None:
+        self._client = client_token.encode() if client_token else None
+        self._peer = peer
+        self._peer_token = peer.token.encode() if peer.token else None
+
+    def _role(self, given: bytes) -> str | None:
+        if self._client is not None and hmac.compare_digest(given, self._client):
+            return "client"
+        if self._peer_token is not None and hmac.compare_digest(given, self._peer_token):
+            return "peer"
+        return None
 
     def intercept_service(self, continuation: Callable[[Any], Any],
                           handler_call_details: grpc.HandlerCallDetails) -> Any:
@@ -111,17 +177,68 @@ class TokenInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]  # grpc ha
         if method.startswith(UNAUTHENTICATED_METHODS):
             return continuation(handler_call_details)
         metadata = dict(handler_call_details.invocation_metadata or ())
-        header = metadata.get("authorization", "")
-        if not header:
-            return _refuse(continuation(handler_call_details), UnauthenticatedError(
-                "this daemon requires a bearer token: pass --token-file FILE or set "
-                "DS3D_TOKEN"))
-        scheme, _, given = str(header).partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
-                                                                 self._token):
-            return _refuse(continuation(handler_call_details), PermissionError_(
-                "the bearer token is wrong; use the token in the daemon's --token-file"))
-        return continuation(handler_call_details)
+        header = str(metadata.get("authorization", ""))
+        scheme, _, given = header.partition(" ")
+        token = given.strip().encode() if header else None
+        role = self._role(token) if token is not None and scheme.lower() == "bearer" else None
+        peer_call = method in PEER_METHODS
+        needs_token = peer_call and self._peer_token is not None or \
+            not peer_call and self._client is not None
+        err: PermissionError_ | None = None
+        if header and role is None and needs_token:
+            err = UnauthenticatedError(
+                "the bearer token is wrong" + ("; node-to-node calls need the peer token of "
+                                               "--peer-token-file" if peer_call else
+                                               "; use the token in the daemon's --token-file"))
+        elif peer_call:
+            err = self._peer_refusal(method, role)
+        elif self._client is not None and role != "client":
+            err = UnauthenticatedError(
+                "this daemon requires a bearer token: pass --token-file FILE or set DS3D_TOKEN"
+            ) if role is None else PermissionError_(
+                f"{method.rsplit('/', 1)[-1]}: the peer credential is for node-to-node calls "
+                "only; clients use the token of the daemon's --token-file")
+        handler = continuation(handler_call_details)
+        if err is not None:
+            return _refuse(handler, err)
+        if peer_call and self._peer.cert_names:
+            return _with_certificate_check(handler, self._peer.cert_names)
+        return handler
+
+    def _peer_refusal(self, method: str, role: str | None) -> PermissionError_ | None:
+        rpc = method.rsplit("/", 1)[-1]
+        if not self._peer.configured:
+            return PermissionError_(f"{rpc} is a node-to-node call and this daemon accepts "
+                                    f"none: {PEER_TOKEN_HINT}")
+        if self._peer_token is None:
+            return None  # the certificate decides
+        if role is None:
+            return UnauthenticatedError(f"{rpc} is a node-to-node call: it needs the peer token "
+                                        "of --peer-token-file")
+        if role != "peer":
+            return PermissionError_(f"{rpc} is a node-to-node call: a client credential cannot "
+                                    "make it; only the job's daemons, with the peer token")
+        return None
+
+
+def _with_certificate_check(handler: Any, names: frozenset[str]) -> Any:
+    """The peer RPC's handler, answering PERMISSION_DENIED unless the caller's certificate
+    (mutual TLS) carries one of the peer `names`."""
+    inner = handler.unary_unary
+
+    def guarded(request: Any, context: grpc.ServicerContext) -> Any:
+        have = certificate_names(context)
+        if not have & names:
+            err = PermissionError_(
+                f"the calling certificate ({', '.join(sorted(have)) or 'none'}) is not a peer's: "
+                f"node-to-node calls are for the daemons named in --peer-names "
+                f"({', '.join(sorted(names))})")
+            context.abort(status_code(err), str(err))
+        return inner(request, context)
+
+    return grpc.unary_unary_rpc_method_handler(
+        guarded, request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer)
 
 
 def _refuse(handler: Any, err: PermissionError_) -> Any:

@@ -1,10 +1,14 @@
 """Node to node: the head daemon of a multi-node job asks the other nodes' daemons to start or
 stop their share of the workers, and asks how they are.
 
-Calls go over mutual TLS with the bearer token (the same credentials the daemons serve with):
-a daemon that listens beyond loopback always has both (auth.py). A daemon without TLS calls
-only loopback and unix-socket peers (several daemons on one machine, as in the tests); any other
-peer address is refused before a byte is sent.
+Calls go over mutual TLS (the certificate the daemon serves with) and carry the peer credential:
+the node-to-node RPCs are refused to anyone who is not one of the job's daemons (auth.py: the
+peer token of --peer-token-file and/or a certificate named in --peer-names); a job request
+forwarded to its head carries the client token. A daemon without TLS calls only loopback and
+unix-socket peers (several daemons on one machine, as in the tests); any other peer address is
+refused before a byte is sent. What a peer asks for is checked like a client's request: StartShare
+validates the job as StartJob does, ShareControl writes only the known control files and no
+`inject.json` on a daemon started without --enable-fault-injection.
 
 `Shares` is the receiving side: the agents this node runs for jobs headed elsewhere, each in
 `STATE_DIR/shares/<job>/` (a job directory like the head's). Besides starting and stopping its
@@ -28,13 +32,13 @@ from typing import Any
 import grpc
 
 from ds3d.trainer.config import JobConfig
-from ds3d.trainer.errors import ConfigError, Ds3dError, StorageError
+from ds3d.trainer.errors import ConfigError, Ds3dError, StateError, StorageError
 from ds3d.v1 import control_pb2 as pb
 from ds3d.v1 import control_pb2_grpc as pb_grpc
 
 from .auth import TlsFiles, is_local_address
 from .jobdir import JobDir
-from .launcher import AgentHandle, Launcher
+from .launcher import AgentHandle, Launcher, kill_strays
 from .logging import get_logger
 
 log = get_logger("ds3d.peers")
@@ -54,6 +58,7 @@ class ForwardedError(Ds3dError):
         self.grpc_code = code
 
 
+INJECT_FILE = "inject.json"  # jobdir.py: a drill's fault injection for the workers
 REPORT_FILE_RE = re.compile(r"^rank-\d{5,}\.jsonl$")
 PULL_MAX_BYTES = 4 << 20
 
@@ -72,8 +77,9 @@ class PeerClient:
     """Calls to other daemons with this daemon's client credentials."""
 
     tls: TlsFiles | None
-    token: str | None
+    token: str | None  # the client token: for job requests forwarded to a head
     timeout_s: float = 30.0
+    peer_token: str | None = None  # the peer credential: for node-to-node calls
 
     def _stub(self, address: str) -> tuple[grpc.Channel, pb_grpc.ControlStub]:
         try:
@@ -91,7 +97,8 @@ class PeerClient:
         same status and message (ForwardedError), an unreachable head as UNAVAILABLE."""
         channel, stub = self._stub(address)
         try:
-            return getattr(stub, method)(request, timeout=self.timeout_s, metadata=self._md())
+            return getattr(stub, method)(request, timeout=self.timeout_s,
+                                         metadata=self._md(client=True))
         except grpc.RpcError as e:
             code = e.code()
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
@@ -126,8 +133,12 @@ class PeerClient:
         finally:
             channel.close()
 
-    def _md(self) -> list[tuple[str, str]]:
-        return [("authorization", f"Bearer {self.token}")] if self.token else []
+    def _md(self, client: bool = False) -> list[tuple[str, str]]:
+        """Node-to-node calls carry the peer token (or, with peers recognised by certificate
+        only, the client token, which is then just authentication); forwarded job requests the
+        client token."""
+        token = self.token if client else (self.peer_token or self.token)
+        return [("authorization", f"Bearer {token}")] if token else []
 
     def start_share(self, address: str, req: pb.StartShareRequest) -> pb.StartShareResponse:
         channel, stub = self._stub(address)
@@ -202,9 +213,11 @@ class ReturningNodes:
 class Shares:
     """Agents this node runs for jobs whose head is another node."""
 
-    def __init__(self, shares_root: Path, launcher: Launcher) -> None:
+    def __init__(self, shares_root: Path, launcher: Launcher,
+                 enable_fault_injection: bool = False) -> None:
         self.root = shares_root
         self.launcher = launcher
+        self.enable_fault_injection = enable_fault_injection
         self._agents: dict[str, AgentHandle] = {}
         self._lock = threading.Lock()
 
@@ -220,6 +233,8 @@ class Shares:
             old = self._agents.get(cfg.name)
             if old is not None and old.poll() is None:
                 old.ref.terminate()
+            # its workers too (own sessions): none may hold the job's build lock at the start
+            kill_strays(jobdir.path)
             jobdir.create(cfg.dump_json())
             # commands were meant for the previous workers; the head re-sends what is pending
             jobdir.command_file.unlink(missing_ok=True)
@@ -249,6 +264,9 @@ class Shares:
 
     def control(self, name: str, file: str, text: str) -> bool:
         """Writes a control file the head sent; False if this node has no share of `name`."""
+        if file == INJECT_FILE and text and not self.enable_fault_injection:
+            raise StateError("fault injection is disabled on this node; restart its ds3dd with "
+                             "--enable-fault-injection to allow it (drills only)")
         jobdir = self._jobdir(name)
         if jobdir is None:
             return False

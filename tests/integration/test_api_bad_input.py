@@ -59,7 +59,7 @@ RPC_CASES = [
      grpc.StatusCode.UNAUTHENTICATED, "requires a bearer token"),
     ("wrong token", "ListJobs", pb.ListJobsRequest(),
      [("authorization", "Bearer wrong-token-wrong-token")],
-     grpc.StatusCode.PERMISSION_DENIED, "bearer token is wrong"),
+     grpc.StatusCode.UNAUTHENTICATED, "bearer token is wrong"),  # issue 17 item 10
     ("unknown config key", "StartJob",
      pb.StartJobRequest(config_json=tiny_job_json(train={"bogus": 1})), None,
      grpc.StatusCode.INVALID_ARGUMENT, "train.bogus: unknown setting"),

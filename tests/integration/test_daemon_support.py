@@ -100,7 +100,9 @@ class DaemonProc:
     def __init__(self, state_dir: Path, *, token: str | None = None,
                  worker_dir: Path | None = None, extra_env: dict[str, str] | None = None,
                  args: list[str] | None = None, listen: str = "127.0.0.1:0",
-                 node: str = "test-node") -> None:
+                 node: str = "test-node", peer_token: str | None = None) -> None:
+        """`peer_token` (default: derived from `token`, so daemons given the same token are
+        peers of one another) is the node-to-node credential (ds3dd --peer-token-file)."""
         self.state_dir = state_dir
         self.token = token
         self.env = dict(os.environ)
@@ -115,6 +117,11 @@ class DaemonProc:
             tf.write_text(token)
             self.argv += ["--token-file", str(tf)]
             self.token_file = tf
+        self.peer_token = peer_token or (f"{token}.peer" if token else None)
+        if self.peer_token:
+            pf = state_dir.parent / f"{state_dir.name}.peer-token"
+            pf.write_text(self.peer_token)
+            self.argv += ["--peer-token-file", str(pf)]
         if worker_dir is not None:
             self.argv += ["--worker-module", write_fake_worker(worker_dir)]
             self.env["PYTHONPATH"] = f"{worker_dir}:{self.env.get('PYTHONPATH', '')}"

@@ -36,8 +36,10 @@ def nodes(tmp_path):
     a = DaemonProc(tmp_path / "a", token=token, node="node-a",
                    args=["--hang-timeout", "300", "--node-addr", "127.0.0.2",
                          "--enable-fault-injection"])
+    # both accept injections: ShareControl refuses inject.json on a node without the flag
     b = DaemonProc(tmp_path / "b", token=token, node="node-b",
-                   args=["--hang-timeout", "300", "--node-addr", "127.0.0.1"])
+                   args=["--hang-timeout", "300", "--node-addr", "127.0.0.1",
+                         "--enable-fault-injection"])
     a.start()
     b.start()
     yield a, b
