@@ -4,7 +4,9 @@ The catalog reads the store (manifests, parts, file listing) and the local tier 
 folders and ds3d's markers) and never trusts anything but a manifest whose files are all there:
 a step without MANIFEST is `uploading` (or an abandoned partial upload) and is never restored;
 a manifest whose files are missing, short, or fail their sha256 is `corrupt` and is skipped
-with a logged `checkpoint_skipped` event, falling back to the next older one.
+with a `checkpoint_skipped` log line and, through `on_skip`, a report record the daemon turns
+into an event, a metric and an index row, falling back to the next older one. A manifest
+that names another job's id (identity.py) is `foreign`: never restored, never deleted.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -23,11 +25,18 @@ from typing import Literal
 import structlog
 from pydantic import ValidationError
 
-from ds3d.trainer.errors import CheckpointError, NotFoundError, StateError, TransientStorageError
+from ds3d.trainer.errors import (
+    CheckpointError,
+    Ds3dError,
+    NotFoundError,
+    StateError,
+    TransientStorageError,
+)
 
 from . import layout
 from .deepspeed_latest import refresh_local_latest
-from .manifest import FileEntry, Manifest, hash_file, save_local_manifest
+from .identity import ForeignPrefixError, manifest_is_mine
+from .manifest import FileEntry, Manifest, PartManifest, hash_file, save_local_manifest
 from .retention import plan_retention
 from .storage import Storage
 from .upload import read_marker
@@ -43,6 +52,7 @@ class CkptState(StrEnum):
     UPLOADING = "uploading"    # some objects in the store, no MANIFEST yet (or never: a crash)
     COMMITTED = "committed"    # MANIFEST present and every file present with its size
     CORRUPT = "corrupt"        # MANIFEST unreadable, or files missing / of the wrong size
+    FOREIGN = "foreign"        # MANIFEST names another job's id: not this job's to load or delete
 
 
 @dataclass
@@ -57,6 +67,33 @@ class CheckpointInfo:
     problems: list[str] = field(default_factory=list)
 
 
+@dataclass
+class RetentionResult:
+    """What retention did: steps deleted, and the steps whose cleanup failed with the error
+    (each one is reported on its own; it changes no other checkpoint)."""
+
+    deleted: list[int] = field(default_factory=list)
+    failed: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass
+class SweepResult:
+    """Leftovers removed by `Catalog.sweep`: uncommitted steps, temporary files, multipart
+    uploads, and what could not be removed (key or step -> error)."""
+
+    steps: list[int] = field(default_factory=list)
+    temporaries: list[str] = field(default_factory=list)
+    uploads: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.steps or self.temporaries or self.uploads or self.failed)
+
+
+# (step, cause, detail) of a checkpoint a restore passed over
+SkipHandler = Callable[[int, str, str], None]
+
+
 @dataclass(frozen=True)
 class Restorable:
     step: int
@@ -66,11 +103,17 @@ class Restorable:
 
 
 class Catalog:
-    def __init__(self, storage: Storage | None, local_dir: str | Path | None) -> None:
+    def __init__(self, storage: Storage | None, local_dir: str | Path | None, *,
+                 job_id: str | None = None, on_skip: SkipHandler | None = None) -> None:
+        """`job_id`: this job's id; checkpoints of other ids are neither restored nor deleted
+        (None: a bare catalog for inspection, which refuses nothing). `on_skip` hears of every
+        checkpoint a restore passes over."""
         if storage is None and local_dir is None:
             raise ValueError("a catalog needs a store, a local folder, or both")
         self.storage = storage
         self.local_dir = Path(local_dir) if local_dir is not None else None
+        self.job_id = job_id
+        self.on_skip = on_skip
 
     # -- listing ----------------------------------------------------------------------------
 
@@ -150,6 +193,11 @@ class Catalog:
                 except CheckpointError as e:
                     info.state, info.problems = CkptState.CORRUPT, [str(e)]
                 else:
+                    if not self._mine(info.manifest):
+                        info.state, info.problems = CkptState.FOREIGN, [self._whose(info.manifest)]
+                        info.size, info.time = info.manifest.total_size, info.manifest.created
+                        out.append(info)
+                        continue
                     info.problems = _size_problems(step, info.manifest, objects)
                     info.state = CkptState.CORRUPT if info.problems else CkptState.COMMITTED
                     info.size, info.time = info.manifest.total_size, info.manifest.created
@@ -219,10 +267,13 @@ class Catalog:
             try:
                 manifest = self.load_manifest(step, local_only=step not in store)
             except (CheckpointError, NotFoundError) as e:
-                _skip(step, "unreadable", str(e))
+                self._skip(step, "unreadable", str(e))
+                continue
+            if not self._mine(manifest):
+                self._skip(step, "foreign", self._whose(manifest))
                 continue
             if step in store and (problems := _size_problems(step, manifest, store[step])):
-                _skip(step, "incomplete", "; ".join(problems[:5]))
+                self._skip(step, "incomplete", "; ".join(problems[:5]))
                 continue
             found = self._materialize(manifest, checksums, download and step in store, paths)
             if found is not None:
@@ -248,7 +299,7 @@ class Catalog:
             save_local_manifest(self.local_dir, manifest)
             return Restorable(step, manifest, self.local_dir, "local")
         if not download or self.storage is None:
-            _skip(step, "not_local", f"{len(stale)} files missing or differing locally "
+            self._skip(step, "not_local", f"{len(stale)} files missing or differing locally "
                   "and no download possible")
             return None
         scratch = self._scratch(step, "download")
@@ -258,10 +309,10 @@ class Catalog:
                 try:
                     self.storage.get_file(layout.file_key(step, entry.path), tmp)
                 except NotFoundError:
-                    _skip(step, "incomplete", f"{entry.path}: missing in the store")
+                    self._skip(step, "incomplete", f"{entry.path}: missing in the store")
                     return None
                 if not _local_matches(tmp, entry, checksums=True):
-                    _skip(step, "corrupt", f"{entry.path}: size or sha256 of the stored object "
+                    self._skip(step, "corrupt", f"{entry.path}: size or sha256 of the stored object "
                           "differs from the manifest")
                     return None
             for i, entry in enumerate(stale):
@@ -281,8 +332,11 @@ class Catalog:
                force: bool = False) -> None:
         """Deletes a checkpoint. In the store the MANIFEST goes first, so a half-finished delete
         leaves an uncommitted step, never a committed one with files missing. The local copy of
-        a step whose upload is unfinished is kept unless `force` (it is the only copy)."""
+        a step whose upload is unfinished is kept unless `force` (it is the only copy). A step
+        whose manifest or parts name another job's id is refused (ForeignPrefixError), even
+        with `force`."""
         if store and self.storage is not None:
+            self._check_deletable(step)
             keys = [o.key for o in self.storage.list(layout.step_prefix(step))]
             self.storage.delete([layout.manifest_key(step)])
             self.storage.delete(k for k in keys if k != layout.manifest_key(step))
@@ -309,14 +363,100 @@ class Catalog:
         return False
 
     def apply_retention(self, keep_last: int, keep_every: int = 0,
-                        protect: Iterable[int] = ()) -> builtins.list[int]:
-        """Deletes committed checkpoints superseded per `plan_retention`; returns their steps.
-        Uploading, local-only and corrupt steps are never touched here."""
+                        protect: Iterable[int] = ()) -> RetentionResult:
+        """Deletes this job's committed checkpoints superseded per `plan_retention`. Uploading,
+        local-only, corrupt and foreign steps are never touched here. Each step is deleted on
+        its own: one that fails is recorded in the result and the others still go; nothing
+        here changes the state of any other checkpoint. The local copies go too (force): a
+        committed step's store copy is complete, whatever another rank's marker says."""
         committed = [c.step for c in self.list() if c.state is CkptState.COMMITTED]
-        doomed = plan_retention(committed, keep_last, keep_every, protect)
-        for step in doomed:
-            self.delete(step)
-        return doomed
+        result = RetentionResult()
+        for step in plan_retention(committed, keep_last, keep_every, protect):
+            try:
+                self.delete(step, force=True)
+            except (Ds3dError, OSError) as e:
+                log.warning("checkpoint_cleanup_failed", step=step, detail=str(e))
+                result.failed[step] = str(e)
+            else:
+                result.deleted.append(step)
+        return result
+
+    def sweep(self, grace_s: float, now: float | None = None) -> SweepResult:
+        """Removes what unfinished saves left in the store once it is older than `grace_s`:
+        steps without a MANIFEST that are older than the newest committed step (a newer one may
+        still be uploading, however slowly), temporary files of interrupted writes (file
+        store), and unfinished multipart uploads (S3). Only this job's: a step with another
+        job's parts is left alone. Errors are collected, not raised."""
+        if self.storage is None:
+            return SweepResult()
+        cutoff = (time.time() if now is None else now) - grace_s
+        result = SweepResult()
+        objects: dict[int, list[tuple[str, float]]] = {}
+        for obj in self.storage.list(layout.CKPT_ROOT):
+            step = layout.step_of_key(obj.key)
+            if step is not None:
+                objects.setdefault(step, []).append((obj.key, obj.mtime))
+        committed = [s for s, objs in objects.items()
+                     if any(k == layout.manifest_key(s) for k, _ in objs)]
+        newest = max(committed, default=-1)
+        for step, objs in sorted(objects.items()):
+            if step >= newest or step in committed or max(t for _, t in objs) >= cutoff:
+                continue
+            try:
+                self._check_deletable(step)
+                self.storage.delete(k for k, _ in objs)
+            except (Ds3dError, OSError) as e:
+                result.failed[layout.step_prefix(step)] = str(e)
+            else:
+                result.steps.append(step)
+        sweepers = (("temporaries", "sweep_temporaries"), ("uploads", "abort_stale_uploads"))
+        for what, method in sweepers:
+            fn = getattr(self.storage, method, None)
+            if fn is None:
+                continue
+            try:
+                getattr(result, what).extend(fn(layout.CKPT_ROOT, cutoff))
+            except (Ds3dError, OSError) as e:
+                result.failed[what] = str(e)
+        if result:
+            log.info("checkpoint_leftovers_swept", steps=result.steps,
+                     temporaries=len(result.temporaries), uploads=len(result.uploads),
+                     failed=result.failed)
+        return result
+
+    # -- identity ---------------------------------------------------------------------------
+
+    def _mine(self, manifest: Manifest) -> bool:
+        return manifest_is_mine(manifest.job_id, self.job_id)
+
+    def _whose(self, manifest: Manifest) -> str:
+        return (f"its MANIFEST names job {manifest.job!r} (id {manifest.job_id}), not this job "
+                f"(id {self.job_id})")
+
+    def _check_deletable(self, step: int) -> None:
+        """ForeignPrefixError if the step's manifest or a part names another job's id."""
+        if self.job_id is None or self.storage is None:
+            return
+        try:
+            manifest = Manifest.from_json(self.storage.get_bytes(layout.manifest_key(step)))
+        except (NotFoundError, ValidationError):
+            manifest = None
+        if manifest is not None and not self._mine(manifest):
+            raise ForeignPrefixError(f"step {step} is not deleted: {self._whose(manifest)}")
+        for obj in self.storage.list(layout.parts_prefix(step)):
+            try:
+                part = PartManifest.model_validate_json(self.storage.get_bytes(obj.key))
+            except (NotFoundError, ValidationError):
+                continue
+            if not manifest_is_mine(part.job_id, self.job_id):
+                raise ForeignPrefixError(f"step {step} is not deleted: rank {part.rank}'s part "
+                                         f"was written by job id {part.job_id}, not this job "
+                                         f"(id {self.job_id})")
+
+    def _skip(self, step: int, cause: str, detail: str) -> None:
+        log.warning("checkpoint_skipped", step=step, cause=cause, detail=detail)
+        if self.on_skip is not None:
+            self.on_skip(step, cause, detail)
 
 
 def _size_problems(step: int, manifest: Manifest, objects: dict[str, int]) -> list[str]:
@@ -338,6 +478,3 @@ def _local_matches(path: Path, entry: FileEntry, checksums: bool) -> bool:
         return False
     return not checksums or hash_file(path) == entry.sha256
 
-
-def _skip(step: int, cause: str, detail: str) -> None:
-    log.warning("checkpoint_skipped", step=step, cause=cause, detail=detail)

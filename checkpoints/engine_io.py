@@ -26,11 +26,13 @@ import torch
 import torch.distributed as dist
 
 from ds3d.trainer.config import JobConfig
-from ds3d.trainer.errors import CheckpointError
+from ds3d.trainer.errors import CheckpointError, Ds3dError
 
-from .catalog import Catalog
+from .catalog import Catalog, CkptState
+from .identity import claim_prefix, local_job_id
 from .manifest import CheckpointMeta, Layout, Manifest
 from .reshape import check_reshapable, convert_to_universal, needs_reshape
+from .retention import cleanup_grace_s
 from .snapshot import SnapshotCheckpointEngine
 from .storage import Storage, job_store_url, open_storage
 from .upload import UploadEvent, Uploader
@@ -75,7 +77,12 @@ class CheckpointManager:
 
             options = options_from_settings(cfg.checkpoint.s3.model_dump())
         self.storage: Storage = open_storage(url, **options)
-        self.catalog = Catalog(self.storage, self.local_dir)
+        # before anything is read or written: whose prefix is this (identity.py)
+        self.job_id = self._agree_job_id(Path(run_dir))
+        if me.rank == 0:
+            claim_prefix(self.storage, self.job_id, cfg.name)
+        self.catalog = Catalog(self.storage, self.local_dir, job_id=self.job_id,
+                               on_skip=self._on_skip)
         self.uploader = Uploader(self.storage, self.local_dir, me.rank, me.world_size,
                                  on_event=self._on_upload_event)
         self.snapshot = SnapshotCheckpointEngine(on_durable=self._on_durable)
@@ -84,6 +91,29 @@ class CheckpointManager:
         # data_position "partition") has per-stage optimizer shards that do not fit: universal
         self.partition: list[int] | None = None
         self.uploader.resume_pending()
+
+    def _agree_job_id(self, run_dir: Path) -> str:
+        """Every rank uses the same job id: the one ds3dd wrote into the job directory (any
+        node that has it tells the others), else one made in the run directory (torchrun)."""
+        mine = local_job_id(run_dir)
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return mine or str(local_job_id(run_dir, create=True))
+        ids: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(ids, mine)
+        known = sorted({i for i in ids if i})
+        if len(known) > 1:
+            raise CheckpointError(f"the job directories of this job's nodes name different job "
+                                  f"ids {known}; each node's job directory must come from the "
+                                  "same ds3dd job")
+        if known:
+            return known[0]
+        made = [local_job_id(run_dir, create=True) if self.me.rank == 0 else None]
+        dist.broadcast_object_list(made, src=0)
+        return str(made[0])
+
+    def _on_skip(self, step: int, cause: str, detail: str) -> None:
+        """A checkpoint a restore passed over: reported, so the daemon shows it as what it is."""
+        self.emit("checkpoint", step=step, phase="skipped", cause=cause, detail=detail)
 
     # -- restore ------------------------------------------------------------------------------
 
@@ -142,7 +172,8 @@ class CheckpointManager:
         would be restored by the next automatic restart; rank 0 deletes them."""
         if self.me.rank != 0:
             return []
-        newer = [c.step for c in self.catalog.list() if c.step > step]
+        newer = [c.step for c in self.catalog.list()
+                 if c.step > step and c.state is not CkptState.FOREIGN]
         for s in newer:
             self.catalog.delete(s, force=True)
         return newer
@@ -178,7 +209,7 @@ class CheckpointManager:
         tag = tag_for(step)
         me = self.me
         self._meta[tag] = (step, CheckpointMeta(
-            job=self.cfg.name, tokens_seen=tokens_seen, tag=tag,
+            job=self.cfg.name, job_id=self.job_id, tokens_seen=tokens_seen, tag=tag,
             layout=Layout(tp=me.tp, pp=me.pp, dp=me.dp, world_size=me.world_size),
             model_hash=self.cfg.model_hash(), data_position=data_position))
         t0 = time.perf_counter()
@@ -195,14 +226,42 @@ class CheckpointManager:
     def _on_upload_event(self, ev: UploadEvent) -> None:
         extra: dict[str, Any] = {}
         if ev.kind == "committed":  # the whole checkpoint's size, for the upload-bytes metric
-            extra["bytes"] = self.catalog.load_manifest(ev.step).total_size
+            try:
+                extra["bytes"] = self.catalog.load_manifest(ev.step, local_only=True).total_size
+            except Ds3dError:
+                pass  # the size is for a metric; the commit itself is done
         self.emit("checkpoint", step=ev.step, phase=ev.kind, seconds=round(ev.seconds, 3),
                   detail=ev.detail, **extra)
         if ev.kind == "committed":
-            c = self.cfg.checkpoint
-            deleted = self.catalog.apply_retention(c.keep_last, c.keep_every)
-            if deleted:
-                self.emit("checkpoint", step=ev.step, phase="retention", detail=f"deleted {deleted}")
+            self._clean_up(ev.step)
+
+    def _clean_up(self, step: int) -> None:
+        """After a commit: retention, then leftovers older than the grace period. A failed
+        cleanup is its own `cleanup_failed` record, for the step it failed on; it changes the
+        state of no checkpoint (not of the one just committed, not of any other)."""
+        c = self.cfg.checkpoint
+        try:
+            kept = self.catalog.apply_retention(c.keep_last, c.keep_every)
+            swept = self.catalog.sweep(cleanup_grace_s(c))
+        except Ds3dError as e:  # listing the store failed: nothing was deleted
+            self.emit("checkpoint", step=step, phase="cleanup_failed", cause="retention",
+                      detail=str(e))
+            return
+        if kept.deleted:
+            self.emit("checkpoint", step=step, phase="retention", detail=f"deleted {kept.deleted}",
+                      deleted=kept.deleted)
+        for failed_step, error in kept.failed.items():
+            self.emit("checkpoint", step=failed_step, phase="cleanup_failed", cause="retention",
+                      detail=error)
+        if swept.steps or swept.temporaries or swept.uploads:
+            self.emit("checkpoint", step=step, phase="swept", steps=swept.steps,
+                      temporaries=len(swept.temporaries), uploads=len(swept.uploads),
+                      detail=f"removed leftovers older than {cleanup_grace_s(c):.0f} s: "
+                             f"uncommitted steps {swept.steps}, {len(swept.temporaries)} "
+                             f"temporary files, {len(swept.uploads)} multipart uploads")
+        for what, error in swept.failed.items():
+            self.emit("checkpoint", step=step, phase="cleanup_failed", cause="leftovers",
+                      detail=f"{what}: {error}")
 
     def busy(self) -> bool:
         """A checkpoint of this rank is still being written, uploaded or committed."""

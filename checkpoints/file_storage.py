@@ -140,11 +140,36 @@ class FileStorage:
                     key = full.relative_to(self.root).as_posix()
                     if key.startswith(prefix):
                         try:
-                            out.append(ObjectInfo(key, full.stat().st_size))
+                            st = full.stat()
+                            out.append(ObjectInfo(key, st.st_size, st.st_mtime))
                         except FileNotFoundError:
                             continue  # deleted while listing
         out.sort(key=lambda o: o.key)
         return out
+
+    def sweep_temporaries(self, prefix: str, older_than: float) -> list[str]:
+        """Removes the temporary files (`.tmp-ds3d-*`) of writes that never finished (a process
+        killed mid-write) under `prefix` and last written before `older_than` (unix s); returns
+        their paths relative to the root. `list` hides them, so nothing else ever would."""
+        head, _, _ = prefix.rpartition("/")
+        start = self.root.joinpath(*head.split("/")) if head else self.root
+        removed: list[str] = []
+        with _os_errors(f"clean up {self.url}/{prefix}"):
+            for dirpath, _dirs, names in os.walk(start):
+                for name in names:
+                    full = Path(dirpath) / name
+                    rel = full.relative_to(self.root).as_posix()
+                    if not name.startswith(_TMP_PREFIX) or not rel.startswith(prefix):
+                        continue
+                    try:
+                        if full.stat().st_mtime >= older_than:
+                            continue
+                        full.unlink()
+                    except FileNotFoundError:
+                        continue
+                    removed.append(rel)
+                    self._prune_empty_dirs(full.parent)
+        return sorted(removed)
 
     def check_access(self) -> None:
         """Creates the root if needed and proves a write, read and delete work there."""

@@ -10,6 +10,9 @@ nowhere else. Keys are relative to a store prefix P (the job's `checkpoint.store
                                                    `world_size` parts exist; merges the parts
     P/latest                                       convenience pointer ("step-00000100"); never
                                                    trusted over manifests
+    P/JOB-ID                                       the owner of the prefix: {"job_id", "job",
+                                                   "created"}, created once (conditional put) by
+                                                   the first job that writes there (identity.py)
 
 A checkpoint exists only when its MANIFEST exists and verifies. The local tier L (the job's
 `checkpoint.local_dir`) holds DeepSpeed's own tree (`L/global_step100/...`, the same relative
@@ -27,6 +30,7 @@ from pathlib import Path, PurePosixPath
 
 CKPT_ROOT = "ckpt/"
 LATEST_KEY = "latest"
+JOB_ID_KEY = "JOB-ID"
 LOCAL_STATE_DIR = ".ds3d"
 MANIFEST_NAME = "MANIFEST.json"
 

@@ -44,6 +44,8 @@ class CheckpointMeta(_Model):
     """Everything about a checkpoint except its files: given by the trainer at save time."""
 
     job: str
+    job_id: str | None = Field(default=None, description="the saving job's unique id "
+                               "(identity.py); None only in markers of older versions")
     tokens_seen: int = Field(default=0, ge=0)
     tag: str = Field(description="DeepSpeed tag, the sub-folder its files live in")
     layout: Layout
@@ -57,6 +59,7 @@ class PartManifest(_Model):
     format_version: int = FORMAT_VERSION
     step: int = Field(ge=0)
     rank: int = Field(ge=0)
+    job_id: str | None = Field(default=None, description="the uploading job's unique id")
     created: float = Field(description="unix seconds")
     files: list[FileEntry]
 
@@ -64,6 +67,9 @@ class PartManifest(_Model):
 class Manifest(_Model):
     format_version: int = FORMAT_VERSION
     job: str
+    job_id: str | None = Field(default=None, description="unique id of the job that committed "
+                               "it (identity.py); None in manifests of older versions, which "
+                               "belong to whoever owns the prefix")
     step: int = Field(ge=0)
     tokens_seen: int = Field(ge=0)
     tag: str
@@ -143,7 +149,7 @@ def build_manifest(local_dir: str | Path, step: int, meta: CheckpointMeta,
 def manifest_from_entries(step: int, meta: CheckpointMeta, entries: list[FileEntry]) -> Manifest:
     ds3d_version, ds_version = versions()
     return Manifest(
-        job=meta.job, step=step, tokens_seen=meta.tokens_seen, tag=meta.tag,
+        job=meta.job, job_id=meta.job_id, step=step, tokens_seen=meta.tokens_seen, tag=meta.tag,
         created=time.time(), layout=meta.layout, model_hash=meta.model_hash,
         data_position=meta.data_position, ds3d_version=ds3d_version,
         deepspeed_version=ds_version, files=sorted(entries, key=lambda e: e.path))
@@ -155,6 +161,9 @@ def merge_parts(step: int, meta: CheckpointMeta, parts: list[PartManifest]) -> M
     for part in parts:
         if part.step != step:
             raise ValueError(f"part of rank {part.rank} is for step {part.step}, not {step}")
+        if part.job_id is not None and meta.job_id is not None and part.job_id != meta.job_id:
+            raise ValueError(f"part of rank {part.rank} was written by job id {part.job_id}, "
+                             f"not by this job ({meta.job_id}): two jobs share the prefix")
         for entry in part.files:
             seen = by_path.setdefault(entry.path, entry)
             if seen != entry:

@@ -756,7 +756,9 @@ class S3Storage:
                 Bucket=self.bucket, Prefix=self.prefix + prefix)
             for page in pages:
                 for obj in page.get("Contents", []):
-                    out.append(ObjectInfo(obj["Key"][len(self.prefix):], int(obj["Size"])))
+                    modified = obj.get("LastModified")
+                    out.append(ObjectInfo(obj["Key"][len(self.prefix):], int(obj["Size"]),
+                                          modified.timestamp() if modified else 0.0))
             return out
 
         out = self._call("ListObjectsV2", None, list_all)
@@ -782,16 +784,34 @@ class S3Storage:
     def list_incomplete_uploads(self) -> builtins.list[tuple[str, str]]:
         """(key, upload id) of multipart uploads under the prefix never completed or aborted
         (left by a killed uploader; they cost storage until aborted)."""
-        def list_uploads() -> builtins.list[tuple[str, str]]:
+        return [(key, upload_id) for key, upload_id, _ in self._incomplete_uploads()]
+
+    def _incomplete_uploads(self) -> builtins.list[tuple[str, str, float]]:
+        """(key, upload id, initiated unix s) of the unfinished multipart uploads."""
+        def list_uploads() -> builtins.list[tuple[str, str, float]]:
             out = []
             pages = self.client.get_paginator("list_multipart_uploads").paginate(
                 Bucket=self.bucket, Prefix=self.prefix)
             for page in pages:
                 for up in page.get("Uploads", []):
-                    out.append((up["Key"][len(self.prefix):], up["UploadId"]))
+                    started = up.get("Initiated")
+                    out.append((up["Key"][len(self.prefix):], up["UploadId"],
+                                started.timestamp() if started else 0.0))
             return out
 
         return self._call("ListMultipartUploads", None, list_uploads)
+
+    def abort_stale_uploads(self, keys_prefix: str, older_than: float) -> builtins.list[str]:
+        """Aborts the unfinished multipart uploads under `keys_prefix` started before
+        `older_than` (unix s): left by an uploader that died, they cost storage until aborted.
+        A younger one may belong to an uploader still at work, so it is kept. Returns the keys."""
+        aborted = []
+        for key, upload_id, started in self._incomplete_uploads():
+            if key.startswith(keys_prefix) and started < older_than and self._abort_upload(
+                    self.prefix + key, upload_id, f"unfinished since {time.ctime(started)}: "
+                    "cleanup"):
+                aborted.append(key)
+        return aborted
 
     def abort_incomplete_uploads(self, keys_prefix: str = "") -> int:
         """Aborts the incomplete multipart uploads whose key starts with `keys_prefix`; only safe

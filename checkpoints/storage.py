@@ -15,7 +15,7 @@ Guarantees every backend gives:
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 from urllib.parse import unquote, urlparse
@@ -27,6 +27,8 @@ from ds3d.trainer.errors import ConfigError
 class ObjectInfo:
     key: str
     size: int
+    # unix seconds of the last write (0 when the backend does not say); not part of equality
+    mtime: float = field(default=0.0, compare=False)
 
 
 @runtime_checkable

@@ -50,6 +50,7 @@ from ds3d.trainer.logs import configure_logging
 
 from . import layout
 from .deepspeed_latest import refresh_local_latest, write_store_latest
+from .identity import ForeignPrefixError, manifest_is_mine
 from .manifest import (
     CheckpointMeta,
     Layout,
@@ -115,11 +116,13 @@ def _journal(storage: Storage, local_dir: str | Path, step: int,
 
 
 def upload_rank_files(storage: Storage, step: int, rank: int, local_ckpt_dir: str | Path,
-                      files: list[str]) -> PartManifest:
-    """Uploads this rank's files (paths relative to `local_ckpt_dir`), then its part manifest.
+                      files: list[str], job_id: str | None = None) -> PartManifest:
+    """Uploads this rank's files (paths relative to `local_ckpt_dir`), then its part manifest
+    (naming `job_id`, the uploading job).
 
     Refuses to touch a step whose MANIFEST already exists unless it lists these very files
-    (then the upload already happened: idempotent after a crash before the marker was updated).
+    (then the upload already happened: idempotent after a crash before the marker was updated)
+    and names this job (a step committed by another job is never overwritten).
     """
     entries = file_entries(local_ckpt_dir, files)
     try:
@@ -129,7 +132,11 @@ def upload_rank_files(storage: Storage, step: int, rank: int, local_ckpt_dir: st
     except ValidationError:
         raise CheckpointError(f"step {step} has an unreadable MANIFEST in {storage.url}; delete "
                               "that checkpoint before saving the step again") from None
-    part = PartManifest(step=step, rank=rank, created=time.time(), files=entries)
+    part = PartManifest(step=step, rank=rank, job_id=job_id, created=time.time(), files=entries)
+    if existing is not None and not manifest_is_mine(existing.job_id, job_id):
+        raise ForeignPrefixError(f"step {step} in {storage.url} was committed by job "
+                                 f"{existing.job!r} (id {existing.job_id}), not by this job (id "
+                                 f"{job_id}); it is not overwritten")
     if existing is not None:
         committed = {e.path: e for e in existing.files}
         if all(committed.get(e.path) == e for e in entries):
@@ -203,6 +210,10 @@ def commit_checkpoint(storage: Storage, step: int, world_size: int, meta: Checkp
     except ValidationError:
         raise CheckpointError(f"step {step}: the MANIFEST read back from {storage.url} is "
                               "unreadable; the store does not keep what it was given") from None
+    if not manifest_is_mine(final.job_id, meta.job_id):
+        raise ForeignPrefixError(f"step {step} in {storage.url} was committed by job "
+                                 f"{final.job!r} (id {final.job_id}), not by this job (id "
+                                 f"{meta.job_id}); it is not overwritten")
     if final.files != manifest.files or final.step != step:
         raise CheckpointError(f"step {step}: a different MANIFEST is already committed in "
                               f"{storage.url}; delete that checkpoint before saving it again")
@@ -227,7 +238,9 @@ def update_latest(storage: Storage, step: int) -> None:
 
 @dataclass(frozen=True)
 class UploadEvent:
-    kind: Literal["uploaded", "committed", "failed"]
+    # "abandoned": never to be committed (the rank that owed a part is gone, or the local
+    # files are); "failed": an attempt failed and will be retried
+    kind: Literal["uploaded", "committed", "failed", "abandoned"]
     step: int
     rank: int
     seconds: float
@@ -353,10 +366,12 @@ class Uploader:
 
     def _process(self, job: _Job) -> None:
         t0 = time.monotonic()
+        committed = False
         job.attempts += 1
         try:
             if not job.uploaded:
-                upload_rank_files(self.storage, job.step, self.rank, self.local_dir, job.files)
+                upload_rank_files(self.storage, job.step, self.rank, self.local_dir, job.files,
+                                  job_id=job.meta.job_id)
                 job.uploaded = True
                 write_marker(self.local_dir, job.step, self.rank, "uploaded", job.files, job.meta)
                 self._emit("uploaded", job, t0)
@@ -369,7 +384,7 @@ class Uploader:
                 save_local_manifest(self.local_dir, manifest)
                 refresh_local_latest(self.local_dir)
                 write_marker(self.local_dir, job.step, self.rank, "committed", job.files, job.meta)
-                self._emit("committed", job, t0)
+                committed = True
             with self._lock:
                 self._known.discard(job.step)
         except PartsMissing as e:
@@ -381,7 +396,7 @@ class Uploader:
                 with self._lock:
                     self._known.discard(job.step)
                 log.warning("checkpoint_commit_abandoned", step=job.step, detail=str(e))
-                self._emit("failed", job, t0, f"abandoned: {e}")
+                self._emit("abandoned", job, t0, f"abandoned: {e}")
         except Ds3dError as e:
             self._retry_later(job, t0, e)
         except OSError as e:
@@ -392,7 +407,7 @@ class Uploader:
                 self._known.discard(job.step)
             log.error("checkpoint_upload_abandoned", step=job.step, rank=self.rank, detail=str(e))
             self._abort_journaled(job.step)
-            self._emit("failed", job, t0, f"local files unreadable: {e}")
+            self._emit("abandoned", job, t0, f"local files unreadable: {e}")
         except Exception as e:
             # A bug, not a storage problem: logged with its traceback, retried like a failure so
             # the thread (and every later checkpoint) survives it.
@@ -407,6 +422,10 @@ class Uploader:
             with self._idle:
                 self._busy -= 1
                 self._idle.notify_all()
+        if committed:
+            # after the bookkeeping: what the listener does (retention, reports) cannot turn a
+            # committed checkpoint into a failed one
+            self._emit("committed", job, t0)
 
     def _retry_later(self, job: _Job, t0: float, e: Ds3dError) -> None:
         """Terminal and retryable errors alike: the local copy is kept, and a later attempt
@@ -431,11 +450,16 @@ class Uploader:
         except Ds3dError as e:
             log.warning("multipart_abort_failed", step=step, rank=self.rank, detail=str(e))
 
-    def _emit(self, kind: Literal["uploaded", "committed", "failed"], job: _Job, t0: float,
-              detail: str = "") -> None:
-        if self.on_event is not None:
+    def _emit(self, kind: Literal["uploaded", "committed", "failed", "abandoned"], job: _Job,
+              t0: float, detail: str = "") -> None:
+        """Tells the listener; its own failure is logged and changes no checkpoint's state."""
+        if self.on_event is None:
+            return
+        try:
             self.on_event(UploadEvent(kind, job.step, self.rank,
                                       round(time.monotonic() - t0, 3), detail))
+        except Exception:  # a listener bug must not fail the upload it reports
+            log.exception("checkpoint_event_listener_failed", step=job.step, kind=kind)
 
 
 # -- command line ----------------------------------------------------------------------------

@@ -121,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("checkpoints", help="checkpoints of a job")
     p.add_argument("job")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--verify", action="store_true",
+                   help="first reconcile the daemon's index with the store: read every "
+                        "manifest, check every file's size and sha256 (downloads them; give "
+                        "--timeout for large checkpoints)")
     sub.add_parser("save", help="save a checkpoint now").add_argument("job")
     p = sub.add_parser("rollback", help="restart from the checkpoint of STEP")
     p.add_argument("job")
@@ -455,17 +459,25 @@ def run(args: argparse.Namespace, out: Any = sys.stdout) -> int:
             print("no logs yet", file=out)
         print(log_paths_text(client.call("GetJob", pb.JobRef(name=args.job)).job), file=out)
     elif c == "checkpoints":
-        cks = client.call("ListCheckpoints", pb.ListCheckpointsRequest(name=args.job)).checkpoints
+        resp = client.call("ListCheckpoints", pb.ListCheckpointsRequest(name=args.job,
+                                                                         verify=args.verify))
+        cks = resp.checkpoints
         if args.json:
             print(json.dumps([{"step": k.step, "phase": k.phase, "path": k.path,
-                               "time": k.time, "blocked_s": k.blocked_s, "present": k.present}
-                              for k in cks], indent=2), file=out)
+                               "time": k.time, "blocked_s": k.blocked_s, "present": k.present,
+                               "detail": k.detail} for k in cks], indent=2), file=out)
         elif not cks:
             print("no checkpoints", file=out)
         else:
             for k in cks:
                 print(f"step {k.step:<8} {k.phase:<10} blocked {k.blocked_s:6.2f} s  "
                       f"{'present' if k.present else 'absent '}  {k.path}", file=out)
+                if k.detail:
+                    print(f"    {k.detail}", file=out)
+        if args.verify and not args.json:
+            print("\n".join(["verified against the store: " + (
+                f"{len(resp.changes)} index row(s) corrected" if resp.changes
+                else "the index was right")] + [f"  {c}" for c in resp.changes]), file=out)
     elif c == "save":
         cid = client.call("SaveCheckpoint", pb.SaveCheckpointRequest(name=args.job)).command_id
         print(f"{args.job}: checkpoint requested (command {cid}); watch with "

@@ -13,6 +13,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from .states import JobState
 
 
+# The `problem` label of ds3d_checkpoint_problems_total (a fixed set, never a step)
+CHECKPOINT_PROBLEMS = ("skipped", "abandoned", "failed", "cleanup_failed", "corrupt", "missing",
+                       "foreign")
+
+
 class Metrics:
     """All metrics on their own registry, so that tests can create several daemons."""
 
@@ -47,6 +52,16 @@ class Metrics:
         self.upload_bytes = Counter("ds3d_checkpoint_upload_bytes_total",
                                     "checkpoint bytes uploaded to the durable tier", ["job"],
                                     registry=r)
+        self.checkpoint_problems = Counter(
+            "ds3d_checkpoint_problems_total",
+            "checkpoints a restore skipped (corrupt, incomplete, unreadable, foreign), uploads "
+            "abandoned or failed, failed cleanups, and what reconciling the index with the store "
+            "found (corrupt, missing, foreign); problem is one of CHECKPOINT_PROBLEMS",
+            ["job", "problem"], registry=r)
+        self.checkpoint_index_fixed = Counter(
+            "ds3d_checkpoint_index_corrections_total",
+            "checkpoint index rows the reconciliation with the store changed, by the new phase",
+            ["job", "phase"], registry=r)
         self.last_commit = Gauge(
             "ds3d_checkpoint_last_commit_timestamp_seconds",
             "unix time of the newest committed checkpoint", ["job"], registry=r)

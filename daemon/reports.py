@@ -64,6 +64,10 @@ def record_to_event(rec: dict[str, Any]) -> dict[str, Any] | None:
         ev["message"] = f"{ev['cause']} at step {ev['step']}: {rec.get('detail', '')}"
     elif kind == "checkpoint":
         ev["message"] = f"checkpoint step {ev['step']} {rec.get('phase', '')}"
+        if rec.get("phase") in PROBLEM_PHASES:  # the whole truth, not only a phase name
+            ev["cause"] = str(rec.get("cause") or rec.get("phase"))
+            ev["message"] = PROBLEM_PHASES[rec["phase"]].format(
+                step=ev["step"], cause=ev["cause"], detail=rec.get("detail", ""))
     elif kind == "start":
         ev["message"] = (f"rank {ev['rank']} started (restart {ev['restart']}, world "
                          f"{rec.get('world_size')}, from step {rec.get('step', 0)})")
@@ -88,9 +92,18 @@ def record_to_event(rec: dict[str, Any]) -> dict[str, Any] | None:
     return ev
 
 
-# Checkpoint phases that enter the checkpoint index ("uploaded", "reshaped", "retention" are
-# progress reports, kept as events only).
-INDEXED_PHASES = ("saved", "committed", "failed")
+# Checkpoint phases that enter the checkpoint index ("uploaded", "reshaped", "swept" are
+# progress reports, "cleanup_failed" a fault of the cleanup, not of a checkpoint: events only;
+# "retention" marks the steps it deleted).
+INDEXED_PHASES = ("saved", "committed", "failed", "abandoned", "skipped")
+# Checkpoint records that report a problem: their event message (and a metric, supervisor.py)
+PROBLEM_PHASES = {
+    "skipped": "checkpoint step {step} skipped by the restore ({cause}): {detail}",
+    "abandoned": "checkpoint step {step} abandoned, never to be committed: {detail}",
+    "failed": "checkpoint step {step}: upload or commit failed, retried later: {detail}",
+    "cleanup_failed": "cleanup failed at checkpoint step {step} ({cause}; no checkpoint's "
+                      "state changed): {detail}",
+}
 
 
 class ReportTail:
@@ -128,10 +141,17 @@ class ReportTail:
             if rec.get("kind") == "checkpoint" and isinstance(rec.get("step"), int) and \
                     rec.get("phase", "saved") in INDEXED_PHASES:
                 step = rec["step"]
-                ckpts.append({"step": step, "phase": str(rec.get("phase", "saved")),
-                              "path": str(rec.get("path") or self.ckpt_dir / f"global_step{step}"),
+                phase = str(rec.get("phase", "saved"))
+                path = rec.get("path") or (self.ckpt_dir / f"global_step{step}"
+                                           if phase in ("saved", "committed", "failed") else "")
+                ckpts.append({"step": step, "phase": phase, "path": str(path),
                               "time": ev["time"] if ev else 0,
-                              "blocked_s": _num(rec.get("blocked_s")) or 0.0})
+                              "blocked_s": _num(rec.get("blocked_s")) or 0.0,
+                              "detail": ev["message"] if phase in PROBLEM_PHASES else ""})
+            elif rec.get("kind") == "checkpoint" and rec.get("phase") == "retention":
+                ckpts += [{"step": s, "phase": "deleted", "time": ev["time"] if ev else 0,
+                           "detail": f"deleted by retention after step {rec.get('step')}"}
+                          for s in rec.get("deleted") or [] if isinstance(s, int)]
         self.store.ingest(name, new_offsets, events, ckpts, **figures)
         obs.last_seen = dict(self.last_seen)
         return obs

@@ -63,7 +63,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     command_acked INTEGER NOT NULL DEFAULT 0,
     rollback_step INTEGER NOT NULL DEFAULT -1,
     done_reason TEXT NOT NULL DEFAULT '',
-    next_launch_at REAL NOT NULL DEFAULT 0
+    next_launch_at REAL NOT NULL DEFAULT 0,
+    job_id TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS transitions (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -104,9 +105,25 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     path TEXT NOT NULL,
     time REAL NOT NULL,
     blocked_s REAL NOT NULL DEFAULT 0,
+    detail TEXT NOT NULL DEFAULT '',
     PRIMARY KEY (job, step)
 );
 """
+# Columns added after the first release: (table, column, declaration), added to older files.
+_ADDED_COLUMNS = (
+    ("jobs", "job_id", "TEXT NOT NULL DEFAULT ''"),           # unique id (checkpoints/identity)
+    ("checkpoints", "detail", "TEXT NOT NULL DEFAULT ''"),    # why skipped/corrupt/failed/...
+)
+
+# Checkpoint index phases (docs/architecture.md): what the workers reported or the store showed.
+# A report never turns a committed row into anything but `skipped` (a restore passed it over) or
+# `deleted` (retention removed it); the reconciliation with the store (daemon/ckpt_index.py)
+# sets whatever the store proves.
+_PHASE_UPSERT = (
+    "phase=CASE WHEN excluded.phase IN ('skipped', 'deleted') THEN excluded.phase "
+    "WHEN phase='committed' THEN phase ELSE excluded.phase END, "
+    "detail=CASE WHEN phase='committed' AND excluded.phase NOT IN ('skipped', 'deleted') "
+    "THEN detail ELSE excluded.detail END")
 
 # Columns a caller may set through `update`/`transition`/`ingest` (never the name or config).
 _MUTABLE = {
@@ -149,6 +166,7 @@ class Job:
     rollback_step: int
     done_reason: str
     next_launch_at: float
+    job_id: str = ""  # unique id, in its store prefix and manifests (checkpoints/identity.py)
 
     @classmethod
     def from_row(cls, row: sqlite3.Row) -> "Job":
@@ -187,6 +205,7 @@ class CheckpointRow:
     path: str
     time: float
     blocked_s: float
+    detail: str = ""
 
 
 _EVENT_COLS = ("job", "time", "kind", "from_state", "to_state", "step", "rank", "node",
@@ -208,6 +227,10 @@ class Store:
         self._lock = threading.RLock()
         self.changed = threading.Condition(self._lock)
         self._db.executescript(SCHEMA)
+        for table, column, decl in _ADDED_COLUMNS:
+            have = {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}
+            if column not in have:
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
 
     def close(self) -> None:
         with self._lock:
@@ -229,7 +252,7 @@ class Store:
     # ---- jobs ------------------------------------------------------------------------------
 
     def create_job(self, name: str, config_json: str, node: str, run_dir: str,
-                   message: str = "accepted") -> Job:
+                   message: str = "accepted", job_id: str = "") -> Job:
         """Stores a new PENDING job and its first event; AlreadyExistsError if the name is taken
         (names are never reused: the job directory and its history keep the name)."""
         now = time.time()
@@ -241,9 +264,9 @@ class Store:
                     "choose another name with --name")
             db.execute(
                 "INSERT INTO jobs (name, config_json, state, desired_state, node, run_dir, "
-                "created_at, updated_at, message) VALUES (?,?,?,?,?,?,?,?,?)",
+                "created_at, updated_at, message, job_id) VALUES (?,?,?,?,?,?,?,?,?,?)",
                 (name, config_json, JobState.PENDING.value, JobState.RUNNING.value, node, run_dir,
-                 now, now, message))
+                 now, now, message, job_id))
             self._insert_event(db, {"job": name, "time": now, "kind": "state", "node": node,
                                     "to_state": JobState.PENDING.value, "message": message})
         return self.get_job(name)
@@ -325,14 +348,14 @@ class Store:
                 self._insert_event(db, {"job": name, **ev})
             for ck in checkpoints:
                 db.execute(
-                    "INSERT INTO checkpoints (job, step, phase, path, time, blocked_s) "
-                    "VALUES (?,?,?,?,?,?) ON CONFLICT(job, step) DO UPDATE SET "
-                    "phase=CASE WHEN phase='committed' THEN phase ELSE excluded.phase END, "
+                    "INSERT INTO checkpoints (job, step, phase, path, time, blocked_s, detail) "
+                    "VALUES (?,?,?,?,?,?,?) ON CONFLICT(job, step) DO UPDATE SET "
+                    f"{_PHASE_UPSERT}, "
                     "path=CASE WHEN excluded.path='' THEN path "
                     "ELSE excluded.path END, time=excluded.time, "
                     "blocked_s=MAX(blocked_s, excluded.blocked_s)",
                     (name, ck["step"], ck["phase"], ck.get("path", ""), ck["time"],
-                     ck.get("blocked_s", 0.0)))
+                     ck.get("blocked_s", 0.0), ck.get("detail", "")))
             for path, off in offsets.items():
                 db.execute("INSERT INTO offsets (job, path, offset) VALUES (?,?,?) "
                            "ON CONFLICT(job, path) DO UPDATE SET offset=excluded.offset",
@@ -369,6 +392,23 @@ class Store:
             rows = self._db.execute("SELECT from_state, to_state, message FROM transitions "
                                     "WHERE job=? ORDER BY id", (name,)).fetchall()
         return [(JobState(r[0]), JobState(r[1]), r[2]) for r in rows]
+
+    def reconcile_checkpoints(self, name: str, rows: Iterable[dict[str, Any]],
+                              events: Iterable[dict[str, Any]]) -> None:
+        """What the store proved about the index (daemon/ckpt_index.py): each row's phase and
+        detail set as given (path and blocked time kept), with one event per change, in one
+        transaction."""
+        with self._tx() as db:
+            self._job_locked(db, name)
+            for ck in rows:
+                db.execute(
+                    "INSERT INTO checkpoints (job, step, phase, path, time, detail) "
+                    "VALUES (?,?,?,?,?,?) ON CONFLICT(job, step) DO UPDATE SET "
+                    "phase=excluded.phase, detail=excluded.detail",
+                    (name, ck["step"], ck["phase"], ck.get("path", ""), ck["time"],
+                     ck.get("detail", "")))
+            for ev in events:
+                self._insert_event(db, {"job": name, **ev})
 
     def checkpoints(self, name: str) -> list[CheckpointRow]:
         with self._lock:

@@ -35,6 +35,7 @@ from ds3d.trainer.errors import Ds3dError
 from ds3d.trainer.oom import CgroupMemory
 from ds3d.v1 import control_pb2 as pb
 
+from .ckpt_index import IndexReconciler
 from .detectors import AgentExitDetector, Detector, Fault, HangDetector, StartupDetector
 from .extension_cache import cache_roots, job_extensions_dir
 from .incidents import Incident, IncidentClock
@@ -49,7 +50,7 @@ from .procs import ProcessRef
 from .rendezvous import start_store
 from .stacks import StackDump, dump_stacks, suspects
 from .step_analysis import StepAnalysis
-from .reports import Observation, ReportTail
+from .reports import PROBLEM_PHASES, Observation, ReportTail
 from .states import TERMINAL, JobState
 from .store import Job, Store
 
@@ -103,6 +104,9 @@ class JobSupervisor:
         job = self.store.get_job(name)
         self._goodput = Goodput()
         self.incidents = IncidentClock()
+        # the checkpoint index against the store: now (a daemon (re)start), after trouble
+        self.index = IndexReconciler(ctx.store, ctx.metrics, name)
+        self.index.request("the daemon started supervising the job")
         self._world = job.world_size  # processes of the running group; 0 before the first start
         if job.agent_pid:
             self.agent = Launcher.attach(self.jobdir.path, job.attempt, job.agent_pid,
@@ -138,6 +142,7 @@ class JobSupervisor:
         agent_restart = self._count_group_restarts(job, obs)
         for incident in self.incidents.observe(obs.records, agent_cause=agent_restart):
             self._recovered(incident)
+        self.index.observe(obs.kinds("checkpoint"))
         if any(r.get("phase") == "rolled_back" for r in obs.kinds("checkpoint")):
             self.forward_control("restore.json", "", local=True)  # consumed on rank 0's node
         faults = [f for d in self.detectors if (f := d.check(job, obs, agent_exit)) is not None]
@@ -614,6 +619,8 @@ class JobSupervisor:
                 m.checkpoint_blocked.labels(self.name).observe(float(rec["blocked_s"]))
             if isinstance(rec.get("bytes"), int) and rec.get("phase") == "committed":
                 m.upload_bytes.labels(self.name).inc(rec["bytes"])
+            if rec.get("phase") in PROBLEM_PHASES:
+                m.checkpoint_problems.labels(self.name, rec["phase"]).inc()
 
     def _cleanup(self, job: Job) -> None:
         """Terminal: nothing of the job may keep running on any node."""

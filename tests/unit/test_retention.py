@@ -67,7 +67,7 @@ def test_twenty_saves_keep_exactly_the_promise(tmp_path: Path) -> None:
     for step in range(10, 210, 10):
         save(store, local, step)
         done.append(step)
-        deleted = catalog.apply_retention(keep_last=3, keep_every=50)
+        deleted = catalog.apply_retention(keep_last=3, keep_every=50).deleted
         want = expected_kept(done, 3, 50)
         done = sorted(want)
         states = {c.step: c.state for c in catalog.list()}
