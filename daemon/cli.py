@@ -100,7 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--follow", "-f", action="store_true")
     p.add_argument("--kind", action="append", default=[])
     p.add_argument("--step-every", type=int, default=1, help="one step event per N steps")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object per event, with its full detail (stacks included)")
+    p.add_argument("--detail", action="store_true",
+                   help="each event followed by its detail (evidence, stacks), readably")
     p = sub.add_parser("logs", help="tail of the agent and worker logs")
     p.add_argument("job")
     p.add_argument("--source", default="", help="agent or rank:N (local rank)")
@@ -387,6 +390,35 @@ def event_line(e: pb.Event) -> str:
     return f"{t}  {e.kind:<10} {step:<10} {where:<8} {text}"
 
 
+def event_json(e: pb.Event) -> dict[str, Any]:
+    """An event as `ds3dctl events --json` prints it: every field, the detail as an object."""
+    try:
+        detail = json.loads(e.detail_json) if e.detail_json else {}
+    except ValueError:
+        detail = {"unparsed": e.detail_json}
+    return {"seq": e.seq, "time": e.time, "kind": e.kind, "step": e.step, "rank": e.rank,
+            "node": e.node, "restart": e.restart, "cause": e.cause, "message": e.message,
+            "from": _state(e.from_state), "to": _state(e.to_state), "detail": detail}
+
+
+def detail_text(value: Any, indent: int = 4) -> str:
+    """An event's detail for people: one `key: value` per line, nested objects indented, long
+    or multi-line text (a stack) as an indented block under its key."""
+    pad = " " * indent
+    if isinstance(value, dict):
+        lines = []
+        for k, v in value.items():
+            if isinstance(v, dict | list) and v or isinstance(v, str) and "\n" in v:
+                lines.append(f"{pad}{k}:\n{detail_text(v, indent + 2)}")
+            else:
+                lines.append(f"{pad}{k}: {json.dumps(v) if not isinstance(v, str) else v}")
+        return "\n".join(lines)
+    if isinstance(value, list):
+        return "\n".join(f"{pad}- " + (detail_text(v, indent + 2).lstrip()
+                                       if isinstance(v, dict | list) else str(v)) for v in value)
+    return "\n".join(pad + ln for ln in str(value).rstrip().splitlines())
+
+
 # ---- commands -------------------------------------------------------------------------------
 
 
@@ -437,10 +469,10 @@ def run(args: argparse.Namespace, out: Any = sys.stdout) -> int:
                                     step_every=args.step_every)
         for e in client.stream("WatchEvents", req):
             if args.json:
-                print(json.dumps({"seq": e.seq, "time": e.time, "kind": e.kind, "step": e.step,
-                                  "rank": e.rank, "cause": e.cause, "message": e.message,
-                                  "from": _state(e.from_state), "to": _state(e.to_state)}),
-                      file=out, flush=True)
+                print(json.dumps(event_json(e)), file=out, flush=True)
+            elif args.detail and e.detail_json not in ("", "{}"):
+                print(event_line(e) + "\n" + detail_text(event_json(e)["detail"]), file=out,
+                      flush=True)
             else:
                 print(event_line(e), file=out, flush=True)
     elif c == "logs" and args.tensorboard:
