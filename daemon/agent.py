@@ -62,15 +62,19 @@ def _agent_class(extensions: tuple[Path, Path] | None) -> type:
         def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
             if extensions is not None:
                 cleared, copied = prepare(*extensions)
-                for lock in cleared:
-                    print(f"ds3d agent: cleared {lock.describe()}", flush=True)
+                for lock in cleared:  # its holder is dead; its builders, if any, were ended
+                    print(f"ds3d agent: cleared stale build lock {lock.path} ({lock.age_s:.0f} s "
+                          f"old" + (f"; ended the orphaned build processes "
+                                    f"{list(lock.workers)})" if lock.workers else ")"),
+                          flush=True)
                 if copied:
                     print(f"ds3d agent: built ops {copied} copied from {extensions[1]}",
                           flush=True)
-            return super()._start_workers(worker_group)
+            started: dict[int, Any] = super()._start_workers(worker_group)
+            return started
 
         def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
-            result = super()._monitor_workers(worker_group)
+            result: RunResult = super()._monitor_workers(worker_group)
             if result.state is WorkerState.FAILED and any(
                     f.exitcode == EXIT_CONFIG for f in result.failures.values()):
                 self._remaining_restarts = 0  # refused configuration: a restart cannot help
@@ -92,7 +96,7 @@ def run(spec: dict[str, Any]) -> tuple[int, str]:
         extensions = (Path(spec["extensions_dir"]), warm_root(spec.get("warm_extensions_dir")))
         os.environ["TORCH_EXTENSIONS_DIR"] = spec["extensions_dir"]  # the workers inherit it
     # launch_agent builds the agent from this module-level name: the one place to swap it
-    launcher_api.LocalElasticAgent = _agent_class(extensions)  # type: ignore[misc]
+    setattr(launcher_api, "LocalElasticAgent", _agent_class(extensions))  # noqa: B010
     config = LaunchConfig(
         min_nodes=spec["min_nodes"],
         max_nodes=spec["max_nodes"],

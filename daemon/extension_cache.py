@@ -108,9 +108,9 @@ def find_locks(roots: list[Path]) -> list[BuildLock]:
                 if cwd == folder or folder in cwd.parents:
                     inside[lock].append(pid)
             for fd in Path(f"/proc/{pid}/fd").iterdir():
-                lock = targets.get(os.readlink(fd))
-                if lock is not None:
-                    opened[lock].append(pid)
+                held = targets.get(os.readlink(fd))
+                if held is not None:
+                    opened[held].append(pid)
         except (psutil.Error, OSError):
             continue  # gone, or another user's: its fds cannot be read
     now = time.time()

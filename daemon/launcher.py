@@ -113,7 +113,7 @@ class Launcher:
         env = dict(os.environ)
         env.update({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "DS3D_RUN_DIR": str(run_dir),
                     "DS3D_JOB": cfg.name, "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0",
-                    "TORCH_EXTENSIONS_DIR": spec["extensions_dir"]})
+                    "TORCH_EXTENSIONS_DIR": str(job_extensions_dir(run_dir))})
         if cfg.launch.device == "cpu":
             env["DS_ACCELERATOR"] = "cpu"
             # intra-op threads share the node's cores among its workers (as torchrun does);

@@ -28,6 +28,17 @@ from .launcher import WORKER_MODULE
 from .logging import configure, get_logger
 
 
+def _seconds(text: str) -> float:
+    """A duration flag: a finite number of seconds above 0 (argparse then exits 2 with it)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ds3dd", description="ds3d per-node daemon")
     ap.add_argument("--state-dir", type=Path, default=Path(os.environ.get(
@@ -60,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "(0: leave their workers running, to be reattached by the next ds3dd)")
     ap.add_argument("--hang-timeout", type=float, default=120.0,
                     help="fewest seconds without a worker report before a hang is declared")
-    ap.add_argument("--start-timeout", type=float, default=600.0,
+    ap.add_argument("--start-timeout", type=_seconds, default=600.0,
                     help="seconds a worker group may take from its launch to its first `start` "
                     "record (imports, rendezvous, DeepSpeed's op build, restore) before it is a "
                     "startup_timeout fault that names any build lock it waits on; default 600")
