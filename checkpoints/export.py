@@ -144,7 +144,8 @@ def _join_tp(shards: dict[int, dict[int, dict[str, Any]]], tp: int) -> dict[str,
 def _load(path: Path) -> dict[str, Any]:
     import torch
 
-    return torch.load(path, map_location="cpu", weights_only=False)
+    state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=False)
+    return state
 
 
 FORMATS = ("ds3d", "hf")
@@ -206,25 +207,23 @@ def export(store_url: str, out_dir: str | Path, step: int | None = None, fmt: st
 
 
 def _read_model_states(tag_dir: Path) -> dict[str, Any]:
-    import torch
-
     for name in (_MODEL_STATES, _ZERO3_STATES):
         if (tag_dir / name).exists():
-            return torch.load(tag_dir / name, map_location="cpu", weights_only=False)
+            return _load(tag_dir / name)
     return {}
 
 
 def _model_config(tag_dir: Path) -> dict[str, Any]:
     """The architecture, from the job config the trainer recorded next to the checkpoint."""
     state = _read_model_states(tag_dir)
-    model = state.get("ds3d", {}).get("model")
+    model: dict[str, Any] | None = state.get("ds3d", {}).get("model")
     if model is None:
         raise CheckpointError(f"{tag_dir} does not record its model configuration (saved by an "
                               "older ds3d); export needs it")
     return model
 
 
-def load_exported(path: str | Path):
+def load_exported(path: str | Path) -> Any:
     """The exported model as a plain single-process torch module (TP = PP = 1)."""
     import torch
     from safetensors.torch import load_file

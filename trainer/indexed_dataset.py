@@ -131,7 +131,8 @@ class IndexedDataset:
         self.doc_starts, self.doc_ends = bounds[docs[:-1]], bounds[docs[1:]]
 
     def _check(self, idx: Path, bin_: Path) -> None:
-        lengths, pointers, docs = self.sequence_lengths, self.sequence_pointers, self.document_indices
+        lengths, pointers = self.sequence_lengths, self.sequence_pointers
+        docs = self.document_indices
         S, itemsize = len(lengths), self.dtype.itemsize
         if len(docs) == 0 or docs[0] != 0 or docs[-1] != S or np.any(np.diff(docs) < 0):
             raise ConfigError(f"{idx}: document indices must rise from 0 to the sequence count "
@@ -169,7 +170,7 @@ class IndexedDatasetWriter:
     leaves a pair that looks complete."""
 
     def __init__(self, prefix: str | Path, dtype: np.dtype) -> None:
-        if np.dtype(dtype) not in CODE_OF_DTYPE or CODE_OF_DTYPE[np.dtype(dtype)] not in TOKEN_CODES:
+        if CODE_OF_DTYPE.get(np.dtype(dtype)) not in TOKEN_CODES:
             raise ValueError(f"token dtype {dtype} is not one of Megatron's integer codes")
         self.prefix, self.dtype = str(prefix), np.dtype(dtype)
         self._bin_tmp = Path(f"{self.prefix}.bin.tmp")

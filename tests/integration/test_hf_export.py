@@ -11,7 +11,9 @@ import sys
 
 import pytest
 import torch
+
 from ds3d.checkpoints.export import export, load_exported
+
 from support import REPO, byte_level_bpe, torchrun, worker_env
 
 transformers = pytest.importorskip("transformers")

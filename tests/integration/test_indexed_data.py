@@ -10,9 +10,11 @@ import sys
 
 import numpy as np
 import pytest
+
 from ds3d.trainer.config import build_job_config
 from ds3d.trainer.data import BatchPlan
 from ds3d.trainer.indexed_dataset import IndexedDataset
+
 from support import REPO, byte_level_bpe, losses, torchrun, worker_env
 
 TEXT = REPO / "trainer" / "assets" / "public_domain.txt"

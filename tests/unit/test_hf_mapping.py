@@ -3,6 +3,7 @@ transformers' GPTNeoXForCausalLM built from the mapped weights compute the same 
 
 import pytest
 import torch
+
 from ds3d.trainer.config import build_job_config
 from ds3d.trainer.errors import ConfigError
 from ds3d.trainer.hf_export import gpt_neox_config, to_gpt_neox, write_hf

@@ -9,11 +9,13 @@ import struct
 
 import numpy as np
 import pytest
+
 from ds3d.trainer.config import build_job_config
 from ds3d.trainer.data import BatchPlan, IndexedBlend, encode_indexed
 from ds3d.trainer.data import _main as data_main
 from ds3d.trainer.errors import ConfigError
 from ds3d.trainer.indexed_dataset import IndexedDataset, IndexedDatasetWriter
+
 from support import REPO, byte_level_bpe
 
 TEXT = REPO / "trainer" / "assets" / "public_domain.txt"
@@ -101,7 +103,8 @@ def _job(*sets):
 
 def _blend(prefixes, weights=None, boundaries=None):
     weights = weights or [1.0] * len(prefixes)
-    items = ", ".join(f'{{prefix = "{p}", weight = {w}}}' for p, w in zip(prefixes, weights))
+    pairs = zip(prefixes, weights, strict=True)
+    items = ", ".join(f'{{prefix = "{p}", weight = {w}}}' for p, w in pairs)
     sets = ['data.source="indexed"', f"data.blend=[{items}]"]
     if boundaries:
         sets.append(f'data.document_boundaries="{boundaries}"')
