@@ -64,10 +64,18 @@ def _notes(cfg: JobConfig, source: str) -> str:
     return "\n".join(f"- {n}" for n in lines) if lines else "(none)"
 
 
+def _memory(cfg: JobConfig, source: str) -> str:
+    """The fit check's per-rank breakdown (what `ds3dctl start` refuses with)."""
+    from ds3d.trainer.memory_model import breakdown, estimate
+
+    return breakdown(estimate(cfg))
+
+
 SECTION_BUILDERS: list[tuple[str, Callable[[JobConfig, str], str]]] = [
     ("effective job (TOML)", _job_toml),
     ("DeepSpeed config the workers get (at the configured dp)", _deepspeed),
     ("accepted keys that change nothing in ds3d", _notes),
+    ("predicted peak memory per rank", _memory),
 ]
 
 

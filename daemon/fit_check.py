@@ -1,0 +1,79 @@
+"""The fit check at `ds3dctl start`: a job whose predicted peak memory per rank
+(trainer/memory_model.py) does not fit this node's GPUs or host memory is refused before
+anything is launched, with the per-rank breakdown and the smallest layout that fits.
+
+Why: an OOM otherwise shows up only after minutes of process start, rendezvous and engine build,
+on every restart of a crash loop. The node is the daemon's own (nodes of a job are assumed
+alike); its GPUs are read with nvidia-smi (no torch import in the daemon), its memory with psutil.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import psutil
+
+from ds3d.trainer.config import JobConfig
+from ds3d.trainer.errors import ConfigError
+from ds3d.trainer.memory_model import (NodeResources, breakdown, estimate, problems,
+                                       smallest_fitting)
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(GB|GiB|MB|MiB|B)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "mb": 10**6, "mib": 1 << 20, "gb": 10**9, "gib": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """'141GB', '141 GiB', '80000MiB' or plain bytes -> bytes; a clear error otherwise."""
+    m = _SIZE_RE.match(text)
+    if not m or float(m.group(1)) <= 0:
+        raise ConfigError(f"--report-gpu-memory {text!r}: give a positive size such as 141GB, "
+                          "80GiB or 81920MiB")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
+
+
+def gpu_memory() -> list[int]:
+    """Total memory of each GPU of this node, bytes (empty without NVIDIA GPUs or nvidia-smi)."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return []
+    try:
+        out = subprocess.run([exe, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [int(float(line)) << 20 for line in out.split() if line.strip()]  # MiB
+
+
+def node_resources(reported_gpu_bytes: int | None = None,
+                   reported_gpus: int = 1) -> NodeResources:
+    """This node as the daemon sees it; `reported_gpu_bytes` (ds3dd --report-gpu-memory, for
+    tests and dry runs) stands in for `reported_gpus` GPUs of that size."""
+    host = psutil.virtual_memory().total
+    if reported_gpu_bytes is not None:
+        return NodeResources(reported_gpus, reported_gpu_bytes, host,
+                             "reported by ds3dd --report-gpu-memory")
+    gpus = gpu_memory()
+    return NodeResources(len(gpus), min(gpus) if gpus else None, host,
+                         "measured with nvidia-smi" if gpus else "no GPU")
+
+
+def check_fit(cfg: JobConfig, node: NodeResources) -> None:
+    """Raises ConfigError with the breakdown and a layout that fits when the job does not."""
+    ranks_per_node = cfg.launch.nproc_per_node or max(1, cfg.parallel.world_size //
+                                                      cfg.launch.nnodes)
+    est = estimate(cfg)
+    found = problems(est, node, ranks_per_node)
+    if not found:
+        return
+    advice = smallest_fitting(cfg, node)
+    if advice is None:
+        fix = "no layout of up to 4096 GPUs like these fits; lower train.micro_batch_size"
+    else:
+        layout, _ = advice
+        nodes = -(-layout.gpus // max(node.gpus, 1))
+        fix = (f"the smallest layout that fits: {layout.describe()} ({nodes} node(s) like this "
+               f"one): " + " ".join(f"--set {s}" for s in layout.sets()))
+    raise ConfigError(f"job {cfg.name!r} will not fit this node: " + "; ".join(found) +
+                      f".\n{fix}\n{breakdown(est)}")

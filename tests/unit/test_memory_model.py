@@ -1,0 +1,85 @@
+"""The memory model (trainer/memory_model.py) against the peaks measured on an H200
+(bench/results/gpu-train.json, `memory_*` sections) and its layout rules."""
+
+import argparse
+import json
+import subprocess
+import sys
+
+import pytest
+
+from support import REPO
+
+from ds3d.trainer.config import build_job_config
+from ds3d.trainer.memory_model import (GiB, Layout, NodeResources, estimate, problems,
+                                       smallest_fitting)
+
+sys.path.insert(0, str(REPO / "bench"))
+
+
+def _measured():
+    import gpu_bench
+
+    report = json.loads((REPO / "bench" / "results" / "gpu-train.json").read_text())
+    args = argparse.Namespace(device="cuda", quick=False)
+    for name, r in report["sections"].items():
+        if name.startswith("memory_") and "max_allocated_GiB" in r:
+            yield name, build_job_config("gpt1b", gpu_bench.job_sets(args) + r["sets"],
+                                         name="m"), r
+
+
+def test_predictions_are_within_10_percent_of_the_h200_peaks():
+    rows = list(_measured())
+    assert len(rows) >= 5
+    for name, cfg, r in rows:
+        predicted = estimate(cfg).peak.gpu_total / GiB
+        assert predicted == pytest.approx(r["max_allocated_GiB"], rel=0.10), name
+
+
+def _job(*sets):
+    return build_job_config("gpt1b", ['launch.device="cuda"', "train.micro_batch_size=4",
+                                      "train.global_batch_size=64", *sets], name="m")
+
+
+def test_zero1_divides_master_weights_and_moments_by_dp_not_the_weights():
+    one, four = estimate(_job()).ranks[0], estimate(_job("parallel.dp=4")).ranks[0]
+    assert four.gpu_parts["Adam moments (fp32)"] == pytest.approx(
+        one.gpu_parts["Adam moments (fp32)"] / 4, rel=1e-6)
+    assert four.gpu_parts["weights (bf16)"] == one.gpu_parts["weights (bf16)"]
+
+
+def test_tp_shards_weights_and_pp_keeps_more_micro_batches_in_flight_on_early_stages():
+    tp2 = estimate(_job("parallel.tp=2")).ranks[0]
+    assert tp2.parameters == pytest.approx(estimate(_job()).ranks[0].parameters / 2, rel=1e-3)
+    pp4 = estimate(_job("parallel.pp=4", "parallel.activation_checkpoint_interval=0")).ranks
+    acts = [next(v for k, v in r.gpu_parts.items() if k.startswith("activations")) for r in pp4]
+    assert "4 micro-batch(es) in flight" in " ".join(pp4[0].gpu_parts)
+    assert "1 micro-batch(es) in flight" in " ".join(pp4[3].gpu_parts)
+    assert acts[0] > acts[3]
+
+
+def test_activation_checkpointing_shrinks_activations():
+    plain = estimate(_job("train.micro_batch_size=8", "train.global_batch_size=64",
+                          "parallel.activation_checkpoint_interval=0"))
+    ckpt = estimate(_job("train.micro_batch_size=8", "train.global_batch_size=64",
+                         "parallel.activation_checkpoint_interval=1"))
+    assert ckpt.peak.gpu_total < plain.peak.gpu_total * 0.7
+
+
+def test_gpt10b_does_not_fit_one_h200_and_the_smallest_layout_that_fits_does():
+    cfg = build_job_config("gpt10b", ["parallel.tp=1", "parallel.pp=1", "parallel.dp=1",
+                                      "launch.nnodes=1", "launch.nproc_per_node=1"], name="big")
+    node = NodeResources(gpus=8, gpu_bytes=141 * 10**9, host_bytes=2048 * GiB)
+    assert problems(estimate(cfg), node, 1)
+    layout, est = smallest_fitting(cfg, node)
+    assert layout.gpus == 2 and not problems(est, node, 2)
+    smaller = [lo for lo in (Layout(1, 1, 1, z, c) for z in (0, 1, 2, 3) for c in (0, 1))]
+    assert all(problems(estimate(cfg, lo), node, 1) for lo in smaller)
+
+
+def test_the_module_does_not_import_torch():
+    code = ("import sys, ds3d.trainer.memory_model, ds3d.daemon.fit_check; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "False"
