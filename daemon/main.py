@@ -23,9 +23,20 @@ from pathlib import Path
 
 from ds3d.trainer.errors import Ds3dError
 
-from .auth import read_token, tls_files
+from .auth import peer_auth, read_token, tls_files
 from .launcher import WORKER_MODULE
 from .logging import configure, get_logger
+
+
+def _seconds(text: str) -> float:
+    """A duration flag: a finite number of seconds above 0 (argparse then exits 2 with it)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,6 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="HOST:PORT (port 0 picks one) or unix:PATH; default 127.0.0.1:7531")
     ap.add_argument("--node-name", default=socket.gethostname(), help="this node's name")
     ap.add_argument("--token-file", help="file holding the bearer token clients must send")
+    ap.add_argument("--peer-token-file", help="file holding the peer token: the secret the "
+                    "daemons of a multi-node job prove themselves to each other with (the "
+                    "same file on every node; not the client token). Without it (or "
+                    "--peer-names) node-to-node calls are refused")
+    ap.add_argument("--peer-names", help="comma-separated certificate names (CN or DNS/IP "
+                    "subject alternative name) of the daemons allowed node-to-node calls; "
+                    "needs mutual TLS")
     ap.add_argument("--tls-cert", help="PEM certificate of this daemon")
     ap.add_argument("--tls-key", help="PEM private key of this daemon")
     ap.add_argument("--tls-ca", help="PEM CA that signs client and peer certificates")
@@ -53,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "(0: leave their workers running, to be reattached by the next ds3dd)")
     ap.add_argument("--hang-timeout", type=float, default=120.0,
                     help="fewest seconds without a worker report before a hang is declared")
-    ap.add_argument("--start-timeout", type=float, default=600.0,
+    ap.add_argument("--start-timeout", type=_seconds, default=600.0,
                     help="seconds a worker group may take from its launch to its first `start` "
                     "record (imports, rendezvous, DeepSpeed's op build, restore) before it is a "
                     "startup_timeout fault that names any build lock it waits on; default 600")
@@ -77,9 +95,10 @@ def main(argv: list[str] | None = None) -> None:
         from .server import Daemon, DaemonOptions
 
         token = read_token(args.token_file) if args.token_file else None
+        tls = tls_files(args.tls_cert, args.tls_key, args.tls_ca)
         opts = DaemonOptions(
             state_dir=state_dir, listen=args.listen, node=args.node_name, token=token,
-            tls=tls_files(args.tls_cert, args.tls_key, args.tls_ca),
+            tls=tls, peer=peer_auth(args.peer_token_file, args.peer_names, token, tls),
             metrics_port=args.metrics_port, max_request_bytes=args.max_request_bytes,
             rdzv_host=args.rdzv_host, worker_module=args.worker_module, node_addr=args.node_addr,
             hang_timeout_s=args.hang_timeout, start_timeout_s=args.start_timeout,

@@ -25,7 +25,7 @@ from ds3d.v1 import control_pb2 as pb
 from ds3d.v1 import control_pb2_grpc as pb_grpc
 
 from .api import ControlServicer
-from .auth import TlsFiles, TokenInterceptor, check_listen_policy
+from .auth import AuthInterceptor, PeerAuth, TlsFiles, check_listen_policy
 from .errors import ErrorInterceptor
 from .fit_check import node_resources
 from .launcher import WORKER_MODULE, Launcher
@@ -54,6 +54,7 @@ class DaemonOptions:
     worker_module: str = WORKER_MODULE
     hang_timeout_s: float = 120.0
     start_timeout_s: float = 600.0
+    peer: PeerAuth = PeerAuth()  # how the other daemons of a job are recognised (auth.py)
     enable_fault_injection: bool = False
     report_gpu_memory: int | None = None  # bytes of one GPU, instead of nvidia-smi's (tests)
     node_addr: str | None = None
@@ -73,14 +74,15 @@ class Daemon:
         self.store = Store(opts.state_dir / "ds3d.db")
         self.metrics = Metrics()
         launcher = Launcher(worker_module=opts.worker_module, node_addr=opts.node_addr)
-        peers = PeerClient(opts.tls, opts.token)
+        peers = PeerClient(opts.tls, opts.token, peer_token=opts.peer.token)
         jobs_root = opts.state_dir / "jobs"
         jobs_root.mkdir(exist_ok=True)
         self.supervisors = Supervisors(SupervisorContext(
             store=self.store, launcher=launcher, metrics=self.metrics, jobs_root=jobs_root,
             node=opts.node, rdzv_host=opts.rdzv_host, peers=peers,
             hang_min_timeout_s=opts.hang_timeout_s, start_timeout_s=opts.start_timeout_s))
-        self.shares = Shares(opts.state_dir / "shares", launcher)
+        self.shares = Shares(opts.state_dir / "shares", launcher,
+                             enable_fault_injection=opts.enable_fault_injection)
         self.peers = peers
         self.service = JobService(self.store, self.supervisors, jobs_root, opts.node,
                                   peers=peers,
@@ -95,8 +97,7 @@ class Daemon:
         """Binds, registers Control + health + reflection, starts serving and supervising;
         returns the bound address (port 0 resolved) and writes it to STATE_DIR/ds3dd.addr."""
         interceptors: list[grpc.ServerInterceptor] = []
-        if self.opts.token:
-            interceptors.append(TokenInterceptor(self.opts.token))
+        interceptors.append(AuthInterceptor(self.opts.token, self.opts.peer))
         interceptors.append(ErrorInterceptor(
             on_call=lambda method: self.metrics.rpcs.labels(method).inc()))
         server = grpc.server(
