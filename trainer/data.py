@@ -276,7 +276,7 @@ def encode_indexed(inputs: list[Path], prefix: str, tokenizer: str, json_key: st
     from .indexed_dataset import IndexedDatasetWriter, token_dtype
     from .text_tokenizer import TextTokenizer
 
-    tok = TextTokenizer(tokenizer, eod_token)
+    tok = TextTokenizer(tokenizer, eod_token, download=True)
     if append_eod and tok.eod_id is None:
         raise ConfigError(f"tokenizer {tokenizer!r} has no end-of-document token that ds3d "
                           "recognises; name one with --eod-token, or pass --no-eod")

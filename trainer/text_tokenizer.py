@@ -3,8 +3,9 @@
 A Hugging Face tokenizer is named by:
   * a `tokenizer.json` file (what `tokenizers` saves; GPT-2's byte-level BPE among them);
   * a folder holding `tokenizer.json`, or GPT-2's original pair `vocab.json` + `merges.txt`;
-  * a hub name (e.g. "gpt2"), resolved by `transformers` from its local cache (no download is
-    attempted when HF_HUB_OFFLINE=1; otherwise the hub is asked).
+  * a hub name (e.g. "gpt2"), resolved by `transformers`: `encode` may download it; everywhere
+    else (job validation, workers, export) only the local Hugging Face cache is read, so a job
+    never waits on the network or loads something other than what its data was made with.
 "bytes" is the byte-level tokenizer (vocab 256) without any file.
 
 Why one wrapper: `encode` and `ds3dctl export --format hf` need the same three things from any of
@@ -29,8 +30,8 @@ EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
 class TextTokenizer:
     """Token ids of text, vocabulary size and end-of-document id of one tokenizer."""
 
-    def __init__(self, spec: str, eod_token: str | None = None) -> None:
-        self.spec = spec
+    def __init__(self, spec: str, eod_token: str | None = None, download: bool = False) -> None:
+        self.spec, self.download = spec, download
         self._hf: Any = None   # tokenizers.Tokenizer
         self._auto: Any = None  # transformers tokenizer (hub names)
         if spec != BYTES:
@@ -57,7 +58,7 @@ class TextTokenizer:
         elif "/" in spec and (spec.startswith(("/", ".")) or path.suffix):
             raise ConfigError(f"tokenizer {spec!r} does not exist")
         else:
-            self._auto = _from_hub(spec)
+            self._auto = _from_hub(spec, self.download)
 
     def _find_eod(self, eod_token: str | None) -> int | None:
         if self.spec == BYTES:
@@ -144,16 +145,17 @@ def _gpt2_pair(vocab: Path, merges: Path) -> Any:
     return tok
 
 
-def _from_hub(name: str) -> Any:
+def _from_hub(name: str, download: bool) -> Any:
     try:
         from transformers import AutoTokenizer
     except ImportError:
         raise ConfigError(f"tokenizer {name!r} is neither a file nor a folder here; loading it by "
                           "name needs `transformers` (pip install transformers)") from None
     try:
-        return AutoTokenizer.from_pretrained(name)
+        return AutoTokenizer.from_pretrained(name, local_files_only=not download)
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"tokenizer {name!r} could not be loaded by name ({first}); without "
-                          "network access give a tokenizer.json file or a tokenizer folder") \
+        where = "" if download else " from the local Hugging Face cache"
+        raise ConfigError(f"tokenizer {name!r} could not be loaded by name{where} ({first}); "
+                          "give the path of a tokenizer.json file or a tokenizer folder") \
             from None

@@ -225,6 +225,9 @@ def test_tokenizer_setting_must_fit_the_model(tmp_path, bpe):
     with pytest.raises(ConfigError, match="has 500 tokens, more than model.vocab_size=256"):
         build_job_config("tiny", ['data.source="indexed"', f'data.blend=[{{prefix = "{prefix}"}}]',
                                   f'data.tokenizer="{bpe / "tokenizer.json"}"'])
+    with pytest.raises(ConfigError, match="could not be loaded by name from the local Hugging "
+                       "Face cache"):  # never a download: the job uses what made its data
+        build_job_config("tiny", ['data.tokenizer="ds3d-test/no-such-tokenizer"'])
     cfg = build_job_config("tiny", ["model.vocab_size=512", 'data.source="indexed"',
                                     f'data.blend=[{{prefix = "{prefix}"}}]',
                                     f'data.tokenizer="{bpe / "tokenizer.json"}"'])
