@@ -99,7 +99,7 @@ def gpt_neox_config(m: ModelConfig, dtype: str, eod_id: int | None) -> dict[str,
         "hidden_size": m.d_model,
         "num_hidden_layers": m.n_layers,
         "num_attention_heads": m.n_heads,
-        "intermediate_size": m.ffn_width,
+        "intermediate_size": m.block_ffn_widths()[0],  # one width (check_expressible)
         "hidden_act": "gelu",
         "use_parallel_residual": False,
         "rotary_pct": 1.0,

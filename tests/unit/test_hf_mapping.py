@@ -70,6 +70,15 @@ def test_without_the_rotary_reordering_the_logits_differ():
         assert (_ds3d_logits(model, tokens) - hf(tokens).logits).abs().max() > 1e-2
 
 
+def test_equal_per_block_widths_are_one_intermediate_size():
+    job, model = _ds3d_model("model.layer_d_ff=[96, 96, 96, 96]")
+    hf = _hf_from(to_gpt_neox(model.state_dict(), job.model), job.model)
+    assert hf.config.intermediate_size == 96
+    tokens = torch.randint(0, job.model.vocab_size, (1, job.model.seq_len))
+    with torch.no_grad():
+        assert (_ds3d_logits(model, tokens) - hf(tokens).logits).abs().max() <= 1e-5
+
+
 def test_uneven_mlp_widths_have_no_gpt_neox_equivalent(tmp_path):
     job = build_job_config("tiny", ["model.layer_d_ff=[128, 256, 256, 128]"])
     with pytest.raises(ConfigError, match="one intermediate_size"):
