@@ -36,10 +36,10 @@ warm: setup
 	$(BIN)/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
 
 lint: setup
-	$(BIN)/ruff check .
 	@mkdir -p $(TYPECHECK)/ds3d
 	@for d in daemon trainer checkpoints; do ln -sfn ../../../$$d $(TYPECHECK)/ds3d/$$d; done
 	@ln -sfn ../../../protos/ds3d/v1 $(TYPECHECK)/ds3d/v1
+	$(BIN)/ruff check .
 	$(BIN)/mypy
 
 test: warm lint
