@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "validate a job without a daemon and print the effective job and "
                            "the DeepSpeed config its workers get")
         _job_arguments(s)
-    s.add_argument("--json", action="store_true")
+        s.add_argument("--json", action="store_true")
 
     p = sub.add_parser("pause", help="save a checkpoint and stop the workers")
     p.add_argument("job")
@@ -379,6 +379,13 @@ def tensorboard_text(j: pb.JobStatus, rank0_host: str) -> str:
     return "\n".join(lines)
 
 
+def _newest_event(client: "Client", job: str, kind: str) -> pb.Event | None:
+    newest = None
+    for e in client.stream("WatchEvents", pb.WatchEventsRequest(name=job, kinds=[kind])):
+        newest = e
+    return newest
+
+
 def event_line(e: pb.Event) -> str:
     t = time.strftime("%H:%M:%S", time.localtime(e.time))
     step = f"step {e.step}" if e.step >= 0 else ""
@@ -456,12 +463,19 @@ def run(args: argparse.Namespace, out: Any = sys.stdout) -> int:
         else:
             jobs = list(client.call("ListJobs", pb.ListJobsRequest(
                 include_finished=c == "status" or args.all)).jobs)
+        # checkpoint.interval = "auto": the newest interval and what it was computed from
+        interval = _newest_event(client, args.job, "checkpoint_interval") \
+            if c == "status" and args.job else None
         if args.json:
             data: Any = [job_dict(j) for j in jobs]
+            if interval is not None:
+                data[0]["checkpoint_interval"] = json.loads(interval.detail_json or "{}")
             print(json.dumps(data[0] if c == "status" and args.job else data, indent=2),
                   file=out)
         else:
             print(job_table(jobs) if jobs else "no jobs", file=out)
+            if interval is not None:
+                print(f"\n{interval.message} (as of step {interval.step})", file=out)
             if c == "status" and args.job and jobs[0].HasField("step_split"):
                 print("\n" + split_text(jobs[0].step_split), file=out)
     elif c == "events":

@@ -23,6 +23,11 @@ def test_start_shorthands_become_overrides():
         'checkpoint.store="file:///tmp/x"', "train.lr=1e-3"]
 
 
+def test_start_and_check_both_take_json():
+    assert parse("start", "tiny", "--json").json and not parse("start", "tiny").json
+    assert parse("check", "tiny", "--json").json
+
+
 def test_commands_parse():
     assert parse("pause", "j", "--fast").fast
     assert parse("stop", "j", "--now").now
