@@ -5,13 +5,23 @@ renamed over the key (and the folder fsynced), so a crash leaves either the old 
 one, never a torn file. `put_bytes(if_absent=True)` links the finished temporary file to the key
 with `os.link`, which fails if the key exists: a real create-if-absent even on NFS, without the
 window a check-then-rename would have.
+
+`put_file` does not duplicate bytes on one file system: the store's object is a hard link to
+the local file (or, where links are refused, a reflink via FICLONE on file systems that share
+extents, e.g. XFS or Btrfs), and a plain copy only across file systems. This is safe because
+nothing rewrites a file in place once it has been stored: the checkpoint writer writes every
+save into a new tag folder (temp file + rename, a new inode each time), retention deletes
+files (a link keeps the store's bytes alive when the local copy goes) and the store replaces
+objects by rename. The bytes, hence the sha256 in the manifest, are the local file's.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -23,6 +33,10 @@ from .storage import ObjectInfo
 
 _TMP_PREFIX = ".tmp-ds3d-"
 _COPY_CHUNK = 8 << 20
+_FICLONE = 0x40049409  # linux/fs.h: _IOW(0x94, 9, int)
+# a link (or a reflink) is refused for these reasons; a copy still works
+_NO_SHARING = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP,
+               errno.ENOSYS, errno.EINVAL, errno.ENOTTY, errno.EACCES}
 
 
 class FileStorage:
@@ -31,6 +45,7 @@ class FileStorage:
         if not self.root.is_absolute():
             raise StorageError(f"file store {root!s} must be an absolute path")
         self.url = f"file://{self.root}"
+        self.last_put: str = ""  # how the last put_file stored its bytes: link, reflink, copy
 
     def __repr__(self) -> str:
         return f"FileStorage({self.url!r})"
@@ -52,14 +67,14 @@ class FileStorage:
     # -- writes -----------------------------------------------------------------------------
 
     def put_file(self, local_path: str | Path, key: str) -> None:
+        """Stores the file as a hard link, else a reflink, else a copy (see the module
+        docstring); `last_put` says which. The caller must not rewrite `local_path` in place
+        afterwards (a new file renamed over it is fine)."""
         dest = self._path(key)
         with _os_errors(f"upload {local_path} to {self.url}/{key}"):
             tmp = self._tmp_beside(dest)
             try:
-                with open(local_path, "rb") as src, open(tmp, "wb") as dst:
-                    shutil.copyfileobj(src, dst, _COPY_CHUNK)
-                    dst.flush()
-                    os.fsync(dst.fileno())
+                self.last_put = _share_or_copy(Path(local_path), tmp)
                 os.replace(tmp, dest)
             finally:
                 tmp.unlink(missing_ok=True)
@@ -200,6 +215,35 @@ def _os_errors(what: str, key: str | None = None) -> Iterator[None]:
         if exc.errno == errno.ENOSPC:
             raise StorageError(f"cannot {what}: no space left on the device") from exc
         raise StorageError(f"cannot {what}: {exc}") from exc
+
+
+def _share_or_copy(src: Path, tmp: Path) -> str:
+    """Puts `src`'s bytes at the new path `tmp`: a hard link where the file system allows it,
+    else a reflink (shared extents), else a copy. Returns "link", "reflink" or "copy". The data
+    is fsynced either way; a link's mtime is set to now, as a copy's would be (the store's
+    leftover sweep dates objects by it)."""
+    with open(src, "rb") as fh:
+        os.fsync(fh.fileno())  # a link shares the inode: its data must be durable too
+    try:
+        os.link(src, tmp)
+    except OSError as exc:
+        if exc.errno not in _NO_SHARING:
+            raise
+    else:
+        os.utime(tmp, (time.time(), time.time()))
+        return "link"
+    with open(src, "rb") as s, open(tmp, "wb") as d:
+        how = "copy"
+        try:
+            fcntl.ioctl(d.fileno(), _FICLONE, s.fileno())
+            how = "reflink"
+        except OSError as exc:
+            if exc.errno not in _NO_SHARING:
+                raise
+            shutil.copyfileobj(s, d, _COPY_CHUNK)
+        d.flush()
+        os.fsync(d.fileno())
+    return how
 
 
 def _fsync_dir(folder: Path) -> None:
