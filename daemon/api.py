@@ -18,7 +18,7 @@ from typing import Any
 
 import grpc
 
-from ds3d.trainer.config import JOB_NAME_RE, JobConfig
+from ds3d.trainer.config import JOB_NAME_RULE, JobConfig, valid_job_name
 from ds3d.trainer.errors import ConfigError, Ds3dError
 from ds3d.trainer.partition import Prediction, current_partition
 from ds3d.v1 import control_pb2 as pb
@@ -26,7 +26,7 @@ from ds3d.v1 import control_pb2_grpc as pb_grpc
 
 from .logging import get_logger
 from .peers import PeerClient, Shares
-from .service import JobService, Rebalance
+from .service import JobService, Rebalance, parse_config
 from .store import Event, Job
 
 VERSION = "0.1.0"
@@ -38,9 +38,9 @@ def _name(name: str) -> str:
     """Job names in requests: checked before any lookup (no path tricks reach the store)."""
     if not name:
         raise ConfigError("a job name is required")
-    if not JOB_NAME_RE.match(name):
-        raise ConfigError(f"job name {name!r} is not allowed: use 1-63 characters of a-z, 0-9, "
-                          "'.', '_' or '-', starting with a letter or digit")
+    if not valid_job_name(name):
+        shown = repr(name) if len(name) <= 80 else f"{name[:80]!r}... ({len(name)} characters)"
+        raise ConfigError(f"job name {shown} is not allowed: use {JOB_NAME_RULE}")
     return name
 
 
@@ -69,15 +69,26 @@ def _optional(**fields: float | None) -> dict[str, float]:
 
 
 def job_to_proto(job: Job, split: dict[str, Any] | None = None) -> pb.JobStatus:
-    cfg = JobConfig.model_validate_json(job.config_json)
-    total = cfg.train.steps
-    eta = (total - job.step) * job.step_time_s if job.step_time_s > 0 else -1.0
-    partition = current_partition(cfg, job.run_dir or None)
-    spec = pb.JobSpec(
-        name=job.name, preset=cfg.preset or "", tp=cfg.parallel.tp, pp=cfg.parallel.pp,
-        dp=cfg.parallel.dp, zero_stage=cfg.parallel.zero_stage, nnodes=cfg.launch.nnodes,
-        total_steps=total, device=cfg.launch.device, n_params=cfg.model.n_params(),
-        config_json=job.config_json)
+    """A stored job as JobStatus. A job whose stored configuration this daemon cannot read
+    (quarantined at start, see Store.quarantine_unreadable) is still answered: its spec holds
+    the name and the stored text only, and its message says why."""
+    try:
+        cfg: JobConfig | None = JobConfig.model_validate_json(job.config_json)
+    except ValueError:
+        cfg = None
+    if cfg is None:
+        total, boundaries, source = 0, [], ""
+        spec = pb.JobSpec(name=job.name, config_json=job.config_json)
+    else:
+        total = cfg.train.steps
+        partition = current_partition(cfg, job.run_dir or None)
+        boundaries, source = partition.boundaries, partition.source
+        spec = pb.JobSpec(
+            name=job.name, preset=cfg.preset or "", tp=cfg.parallel.tp, pp=cfg.parallel.pp,
+            dp=cfg.parallel.dp, zero_stage=cfg.parallel.zero_stage, nnodes=cfg.launch.nnodes,
+            total_steps=total, device=cfg.launch.device, n_params=cfg.model.n_params(),
+            config_json=job.config_json)
+    eta = (total - job.step) * job.step_time_s if job.step_time_s > 0 and cfg else -1.0
     return pb.JobStatus(
         spec=spec, state=job.state.value, desired_state=job.desired_state.value,
         step=job.step, loss=job.loss if job.loss is not None else math.nan,
@@ -85,8 +96,8 @@ def job_to_proto(job: Job, split: dict[str, Any] | None = None) -> pb.JobStatus:
         eta_s=eta if job.state.live else 0.0, restarts=job.restarts,
         last_checkpoint_step=job.last_ckpt_step, created_at=job.created_at,
         updated_at=job.updated_at, message=job.message, node=job.node, run_dir=job.run_dir,
-        world_size=job.world_size, stage_boundaries=partition.boundaries,
-        partition_source=partition.source, step_split=split_to_proto(split))
+        world_size=job.world_size, stage_boundaries=boundaries,
+        partition_source=source, step_split=split_to_proto(split))
 
 
 def plan_to_proto(pred: Prediction) -> pb.PartitionPlan:
@@ -205,12 +216,10 @@ class ControlServicer(pb_grpc.ControlServicer):
         if (fwd := self._forwarded("ListCheckpoints", request)) is not None:
             return fwd
         name = _name(request.name)
-        rows, changes = self.service.checkpoints(name, verify=request.verify)
         return pb.ListCheckpointsResponse(checkpoints=[
             pb.Checkpoint(step=c.step, phase=c.phase, path=c.path, time=c.time,
-                          blocked_s=c.blocked_s, present=self.service.checkpoint_present(name, c),
-                          detail=c.detail)
-            for c in rows], changes=changes)
+                          blocked_s=c.blocked_s, present=self.service.checkpoint_present(name, c))
+            for c in self.service.checkpoints(name)])
 
     def SaveCheckpoint(self, request: pb.SaveCheckpointRequest,
                        context: grpc.ServicerContext) -> pb.SaveCheckpointResponse:
@@ -269,6 +278,7 @@ class ControlServicer(pb_grpc.ControlServicer):
                 f"StartShare from head node {request.head_node!r} reached a daemon of the same "
                 "node name: either launch.hosts lists the head twice, or two daemons share a "
                 "--node-name (give each daemon its own)")
+        parse_config(request.config_json)  # the same check as StartJob, before any process
         handle = self.shares.start(request)
         return pb.StartShareResponse(node=self.node, agent_pid=handle.ref.pid)
 

@@ -54,9 +54,43 @@ def _already_aborted(context: grpc.ServicerContext) -> bool:
     return callable(code) and code() not in (None, grpc.StatusCode.OK)
 
 
+class MalformedRequest:
+    """What a request deserializer returns instead of raising: grpcio answers a deserializer
+    that raises with INTERNAL ("Exception deserializing request!"), but bytes that are not the
+    method's message are the client's error (INVALID_ARGUMENT)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as exc:  # protobuf's DecodeError and friends: the bytes are bad
+            return MalformedRequest(exc)
+
+    return deserialize
+
+
+def _refuse_malformed(context: grpc.ServicerContext, method: str,
+                      request: MalformedRequest) -> None:
+    log.info("rpc refused", method=method, code="INVALID_ARGUMENT", error="malformed request")
+    context.set_trailing_metadata((ANSWERED_BY,))
+    context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                  f"the request is not a valid {method.rsplit('/', 1)[-1]} message (protobuf "
+                  f"decoding failed: {str(request.error)[:200]}); send the method's request "
+                  "message (ds3d's are in protos/ds3d/v1/control.proto; server reflection "
+                  "describes every service)")
+
+
 class ErrorInterceptor(grpc.ServerInterceptor):
-    """Maps exceptions of unary and server-streaming handlers to status codes, and counts every
-    call by method (`on_call`, e.g. the Prometheus RPC counter)."""
+    """Maps exceptions of every handler to status codes, answers undecodable request bytes with
+    INVALID_ARGUMENT, and counts every call by method (`on_call`, e.g. the Prometheus RPC
+    counter)."""
 
     def __init__(self, on_call: Callable[[str], None] | None = None) -> None:
         self.on_call = on_call
@@ -73,6 +107,8 @@ class ErrorInterceptor(grpc.ServerInterceptor):
             inner_uu = handler.unary_unary
 
             def unary(request: Any, context: grpc.ServicerContext) -> Any:
+                if isinstance(request, MalformedRequest):
+                    _refuse_malformed(context, method, request)
                 try:
                     return inner_uu(request, context)
                 except Exception as exc:
@@ -81,12 +117,14 @@ class ErrorInterceptor(grpc.ServerInterceptor):
                     _abort(context, method, exc)
 
             return grpc.unary_unary_rpc_method_handler(
-                unary, request_deserializer=handler.request_deserializer,
+                unary, request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer)
         if handler.unary_stream is not None:
             inner_us = handler.unary_stream
 
             def stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+                if isinstance(request, MalformedRequest):
+                    _refuse_malformed(context, method, request)
                 try:
                     yield from inner_us(request, context)
                 except Exception as exc:
@@ -95,6 +133,26 @@ class ErrorInterceptor(grpc.ServerInterceptor):
                     _abort(context, method, exc)
 
             return grpc.unary_stream_rpc_method_handler(
-                stream, request_deserializer=handler.request_deserializer,
+                stream, request_deserializer=_tolerant(handler.request_deserializer),
+                response_serializer=handler.response_serializer)
+        if handler.stream_stream is not None:  # server reflection
+            inner_ss = handler.stream_stream
+
+            def bidi(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+                def checked() -> Iterator[Any]:
+                    for request in requests:
+                        if isinstance(request, MalformedRequest):
+                            _refuse_malformed(context, method, request)
+                        yield request
+
+                try:
+                    yield from inner_ss(checked(), context)
+                except Exception as exc:
+                    if _already_aborted(context):
+                        raise
+                    _abort(context, method, exc)
+
+            return grpc.stream_stream_rpc_method_handler(
+                bidi, request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer)
         return handler

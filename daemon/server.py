@@ -7,11 +7,11 @@ daemon on the same state directory reattaches to them.
 
 from __future__ import annotations
 
-import time
-
+import errno
 import fcntl
 import os
 import socket
+import time
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,12 +27,13 @@ from ds3d.v1 import control_pb2_grpc as pb_grpc
 from .api import ControlServicer
 from .auth import AuthInterceptor, PeerAuth, TlsFiles, check_listen_policy
 from .errors import ErrorInterceptor
-from .fit_check import node_resources
 from .launcher import WORKER_MODULE, Launcher
 from .logging import get_logger
 from .metrics import Metrics
 from .peers import PeerClient, Shares
-from .service import JobService
+from .procs import ProcessRef
+from .reflection_v1 import enable_reflection_v1
+from .service import JobService, stored_config_problem
 from .store import Store
 from .supervisor import SupervisorContext, Supervisors
 
@@ -56,12 +57,43 @@ class DaemonOptions:
     start_timeout_s: float = 600.0
     peer: PeerAuth = PeerAuth()  # how the other daemons of a job are recognised (auth.py)
     enable_fault_injection: bool = False
-    report_gpu_memory: int | None = None  # bytes of one GPU, instead of nvidia-smi's (tests)
     node_addr: str | None = None
+
+
+def check_listen_address(listen: str) -> None:
+    """`--listen` is HOST:PORT with a port of 0..65535 (grpcio itself binds 99999 to a random
+    port without a word) and, unless 0, a port free on this host: a refusal is one ConfigError
+    line, before anything is bound or started."""
+    if listen.startswith("unix:"):
+        if not listen[5:]:
+            raise ConfigError("--listen unix: needs a socket path, e.g. unix:/run/ds3d.sock")
+        return
+    host, sep, port = listen.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"--listen {listen!r}: use HOST:PORT with a port from 1 to 65535 (0 "
+                          "picks a free one), or unix:PATH")
+    if int(port) == 0:
+        return
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host.strip("[]"), int(port), type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise ConfigError(f"--listen {listen!r}: cannot resolve {host!r} ({e.strerror}); give "
+                          "an address of this host") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as grpcio binds
+        try:
+            probe.bind(address)
+        except OSError as e:
+            why = f"port {port} is already in use (another ds3dd?)" if \
+                e.errno == errno.EADDRINUSE else e.strerror
+            raise ConfigError(f"cannot listen on {listen!r}: {why}; choose another --listen "
+                              "port or stop what holds it") from None
 
 
 class Daemon:
     def __init__(self, opts: DaemonOptions) -> None:
+        check_listen_address(opts.listen)
         check_listen_policy(opts.listen, opts.tls, opts.token)
         self.opts = opts
         opts.state_dir.mkdir(parents=True, exist_ok=True)
@@ -72,6 +104,11 @@ class Daemon:
             raise ConfigError(f"another ds3dd already uses --state-dir {opts.state_dir}; stop "
                               "it first or choose another state directory") from None
         self.store = Store(opts.state_dir / "ds3d.db")
+        for job in self.store.quarantine_unreadable(stored_config_problem):
+            log.error("job quarantined", job=job.name, reason=job.message)
+            for pid, started in ((job.agent_pid, job.agent_started),
+                                 (job.rdzv_pid, job.rdzv_started)):
+                ProcessRef(pid, started).terminate(grace_s=5.0)
         self.metrics = Metrics()
         launcher = Launcher(worker_module=opts.worker_module, node_addr=opts.node_addr)
         peers = PeerClient(opts.tls, opts.token, peer_token=opts.peer.token)
@@ -86,10 +123,9 @@ class Daemon:
         self.peers = peers
         self.service = JobService(self.store, self.supervisors, jobs_root, opts.node,
                                   peers=peers,
-                                  enable_fault_injection=opts.enable_fault_injection,
-                                  resources=node_resources(opts.report_gpu_memory))
-        log.info("node resources", **vars(self.service.resources))
+                                  enable_fault_injection=opts.enable_fault_injection)
         self.server: grpc.Server | None = None
+        self.health: health.HealthServicer | None = None
         self.address = ""
         self.metrics_port: int | None = None
 
@@ -110,19 +146,26 @@ class Daemon:
             ControlServicer(self.service, self.shares, self.opts.node, self.peers), server)
         health_servicer = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        services = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        reflection_v1 = enable_reflection_v1(services, server)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+            (*services, *([reflection_v1] if reflection_v1 else [])), server)
         listen = self.opts.listen
-        if self.opts.tls is not None:
-            port = server.add_secure_port(listen, self.opts.tls.server_credentials())
-        else:
-            port = server.add_insecure_port(listen)
+        try:
+            if self.opts.tls is not None:
+                port = server.add_secure_port(listen, self.opts.tls.server_credentials())
+            else:
+                port = server.add_insecure_port(listen)
+        except RuntimeError:  # grpcio: "Failed to bind to address ..."
+            raise ConfigError(f"cannot listen on {listen!r} (address in use or invalid); "
+                              "choose another --listen") from None
         if not listen.startswith("unix:") and port == 0:
             raise ConfigError(f"cannot listen on {listen!r} (address in use or invalid)")
         self.address = listen if listen.startswith("unix:") else \
             f"{listen.rsplit(':', 1)[0]}:{port}"
         server.start()
         self.server = server
+        self.health = health_servicer
         for svc in ("", SERVICE_NAME):
             health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)
         if self.opts.metrics_port is not None:
@@ -146,6 +189,7 @@ class Daemon:
         Returns the jobs paused."""
         from .states import JobState
 
+        self._not_serving()
         paused = []
         for job in self.store.list_jobs():
             if job.state in (JobState.RUNNING, JobState.STARTING, JobState.RECOVERING) and \
@@ -185,8 +229,15 @@ class Daemon:
                 resumed.append(job.name)
         return resumed
 
+    def _not_serving(self) -> None:
+        """Health says NOT_SERVING from the start of a shutdown (load balancers and peers stop
+        sending work while the daemon drains)."""
+        if self.health is not None:
+            self.health.enter_graceful_shutdown()
+
     def close(self, grace_s: float = 2.0) -> None:
         """Stops serving and supervising; job processes keep running (reattached next start)."""
+        self._not_serving()
         if self.server is not None:
             self.server.stop(grace_s).wait()
             self.server = None

@@ -14,22 +14,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
-from ds3d.checkpoints.identity import new_job_id, write_local_job_id
-from ds3d.trainer.config import JobConfig, explain, validate_job
+from ds3d.trainer.config import JobConfig, validate_job
 from ds3d.trainer.errors import ConfigError, NotFoundError, StateError
-from ds3d.trainer.memory_model import NodeResources
 from ds3d.trainer.partition import (CALIBRATION_STEPS, LayerCost, Proposal, current_partition,
                                     fmt_boundaries, memory_model, merge_profile_records, propose)
 
-from .ckpt_index import reconcile
 from .jobdir import INJECT_KINDS, JobDir
 from .peers import PeerClient, check_peer_address
 from .states import TERMINAL, JobState, check_action
 from .step_analysis import BUBBLE_TARGET, REDUCE_TO_FORWARD_TARGET
 from .store import CheckpointRow, Event, Job, Store
-from .fit_check import check_fit
 from .preflight import preflight
 from .supervisor import Supervisors
 
@@ -64,11 +58,9 @@ class LogTail:
 
 
 def parse_config(config_json: str) -> JobConfig:
-    """Request JSON -> validated JobConfig; every problem named with its field (ConfigError)."""
-    try:
-        cfg = JobConfig.model_validate_json(config_json)
-    except ValidationError as e:
-        raise ConfigError(explain(e, "request")) from None
+    """Request JSON -> validated JobConfig; every problem named with its field (ConfigError).
+    The one check of StartJob and StartShare, made before anything is created."""
+    cfg = JobConfig.parse_json(config_json, "request")
     validate_job(cfg)
     # a DeepSpeed JSON must already be translated into the job's fields (ds3dctl does it), and
     # the DeepSpeed config the workers will get must pass DeepSpeed's own parser
@@ -89,35 +81,38 @@ def parse_config(config_json: str) -> JobConfig:
     return cfg
 
 
+def stored_config_problem(config_json: str) -> str | None:
+    """Why this daemon cannot read a stored job's configuration (one line), or None."""
+    try:
+        JobConfig.parse_json(config_json, "stored job")
+    except ConfigError as e:
+        return " ".join(str(e).split())
+    return None
+
+
 class JobService:
     def __init__(self, store: Store, supervisors: Supervisors, jobs_root: Path,
                  node: str, peers: PeerClient | None = None,
-                 enable_fault_injection: bool = False,
-                 resources: NodeResources | None = None) -> None:
+                 enable_fault_injection: bool = False) -> None:
         self.store = store
         self.supervisors = supervisors
         self.jobs_root = jobs_root
         self.node = node
         self.peers = peers
         self.enable_fault_injection = enable_fault_injection
-        self.resources = resources  # this node's GPUs and memory, for the fit check
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
     def start(self, config_json: str) -> Job:
         cfg = parse_config(config_json)
-        if self.resources is not None:  # before any side effect (fit_check.py)
-            check_fit(cfg, self.resources)
         if cfg.launch.nnodes > 1:
             for address in cfg.launch.hosts[1:]:
                 check_peer_address(address, self.peers.tls if self.peers else None)
+        self.store.check_name_free(cfg.name)
+        preflight(cfg)  # last: its store check may create the job's prefix in the store
         jobdir = JobDir(self.jobs_root, cfg.name)
-        job_id = new_job_id()  # its store prefix and manifests name it (checkpoints/identity)
-        preflight(cfg, job_id=job_id, run_dir=jobdir.path)
-        job = self.store.create_job(cfg.name, cfg.dump_json(), self.node, str(jobdir.path),
-                                    job_id=job_id)
+        job = self.store.create_job(cfg.name, cfg.dump_json(), self.node, str(jobdir.path))
         jobdir.create(cfg.dump_json())
-        write_local_job_id(jobdir.path, job_id)
         self.supervisors.poke(cfg.name)
         return job
 
@@ -157,7 +152,7 @@ class JobService:
         self._require_desired_running(job, "roll back", allow_paused=True)
         if step < 0:
             raise ConfigError(f"rollback step={step}: a step is 0 or more")
-        usable = [c.step for c in self.checkpoints(name)[0]
+        usable = [c.step for c in self.checkpoints(name)
                   if c.phase in ("saved", "committed") and self.checkpoint_present(name, c)]
         if step not in usable:
             have = ", ".join(map(str, usable)) or "none yet (`ds3dctl save JOB` makes one)"
@@ -292,16 +287,9 @@ class JobService:
     def list_jobs(self, include_finished: bool) -> list[Job]:
         return [j for j in self.store.list_jobs() if include_finished or j.state not in TERMINAL]
 
-    def checkpoints(self, name: str, verify: bool = False) -> tuple[list[CheckpointRow],
-                                                                    list[str]]:
-        """The index, and with `verify` first reconciled with the store, every file's size and
-        sha256 checked (daemon/ckpt_index.py): rows, and one line per change it made."""
+    def checkpoints(self, name: str) -> list[CheckpointRow]:
         self.store.get_job(name)
-        changes: list[str] = []
-        if verify:
-            changes = reconcile(self.store, self.supervisors.ctx.metrics, name,
-                                checksums=True).lines()
-        return self.store.checkpoints(name), changes
+        return self.store.checkpoints(name)
 
     def checkpoint_present(self, name: str, row: CheckpointRow) -> bool:
         if not row.path or "://" in row.path:

@@ -24,7 +24,7 @@ import json
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,8 +63,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     command_acked INTEGER NOT NULL DEFAULT 0,
     rollback_step INTEGER NOT NULL DEFAULT -1,
     done_reason TEXT NOT NULL DEFAULT '',
-    next_launch_at REAL NOT NULL DEFAULT 0,
-    job_id TEXT NOT NULL DEFAULT ''
+    next_launch_at REAL NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS transitions (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -105,25 +104,12 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     path TEXT NOT NULL,
     time REAL NOT NULL,
     blocked_s REAL NOT NULL DEFAULT 0,
-    detail TEXT NOT NULL DEFAULT '',
     PRIMARY KEY (job, step)
 );
 """
-# Columns added after the first release: (table, column, declaration), added to older files.
-_ADDED_COLUMNS = (
-    ("jobs", "job_id", "TEXT NOT NULL DEFAULT ''"),           # unique id (checkpoints/identity)
-    ("checkpoints", "detail", "TEXT NOT NULL DEFAULT ''"),    # why skipped/corrupt/failed/...
-)
 
-# Checkpoint index phases (docs/architecture.md): what the workers reported or the store showed.
-# A report never turns a committed row into anything but `skipped` (a restore passed it over) or
-# `deleted` (retention removed it); the reconciliation with the store (daemon/ckpt_index.py)
-# sets whatever the store proves.
-_PHASE_UPSERT = (
-    "phase=CASE WHEN excluded.phase IN ('skipped', 'deleted') THEN excluded.phase "
-    "WHEN phase='committed' THEN phase ELSE excluded.phase END, "
-    "detail=CASE WHEN phase='committed' AND excluded.phase NOT IN ('skipped', 'deleted') "
-    "THEN detail ELSE excluded.detail END")
+# done_reason (and event cause) of a job whose stored row this ds3dd could not read.
+QUARANTINED = "quarantined"
 
 # Columns a caller may set through `update`/`transition`/`ingest` (never the name or config).
 _MUTABLE = {
@@ -166,7 +152,6 @@ class Job:
     rollback_step: int
     done_reason: str
     next_launch_at: float
-    job_id: str = ""  # unique id, in its store prefix and manifests (checkpoints/identity.py)
 
     @classmethod
     def from_row(cls, row: sqlite3.Row) -> "Job":
@@ -205,7 +190,6 @@ class CheckpointRow:
     path: str
     time: float
     blocked_s: float
-    detail: str = ""
 
 
 _EVENT_COLS = ("job", "time", "kind", "from_state", "to_state", "step", "rank", "node",
@@ -227,10 +211,6 @@ class Store:
         self._lock = threading.RLock()
         self.changed = threading.Condition(self._lock)
         self._db.executescript(SCHEMA)
-        for table, column, decl in _ADDED_COLUMNS:
-            have = {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}
-            if column not in have:
-                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
 
     def close(self) -> None:
         with self._lock:
@@ -252,24 +232,33 @@ class Store:
     # ---- jobs ------------------------------------------------------------------------------
 
     def create_job(self, name: str, config_json: str, node: str, run_dir: str,
-                   message: str = "accepted", job_id: str = "") -> Job:
+                   message: str = "accepted") -> Job:
         """Stores a new PENDING job and its first event; AlreadyExistsError if the name is taken
         (names are never reused: the job directory and its history keep the name)."""
         now = time.time()
         with self._tx() as db:
-            row = db.execute("SELECT state FROM jobs WHERE name=?", (name,)).fetchone()
-            if row is not None:
-                raise AlreadyExistsError(
-                    f"a job named {name!r} already exists (it is {JobState(row[0]).name}); "
-                    "choose another name with --name")
+            self._check_name_free(db, name)
             db.execute(
                 "INSERT INTO jobs (name, config_json, state, desired_state, node, run_dir, "
-                "created_at, updated_at, message, job_id) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                "created_at, updated_at, message) VALUES (?,?,?,?,?,?,?,?,?)",
                 (name, config_json, JobState.PENDING.value, JobState.RUNNING.value, node, run_dir,
-                 now, now, message, job_id))
+                 now, now, message))
             self._insert_event(db, {"job": name, "time": now, "kind": "state", "node": node,
                                     "to_state": JobState.PENDING.value, "message": message})
         return self.get_job(name)
+
+    def check_name_free(self, name: str) -> None:
+        """AlreadyExistsError if a job of this name is stored (checked again by create_job)."""
+        with self._lock:
+            self._check_name_free(self._db, name)
+
+    @staticmethod
+    def _check_name_free(db: sqlite3.Connection, name: str) -> None:
+        row = db.execute("SELECT state FROM jobs WHERE name=?", (name,)).fetchone()
+        if row is not None:
+            state = JobState(row[0]).name if row[0] in {s.value for s in JobState} else row[0]
+            raise AlreadyExistsError(f"a job named {name!r} already exists (it is {state}); "
+                                     "choose another name with --name")
 
     def get_job(self, name: str) -> Job:
         with self._lock:
@@ -287,6 +276,47 @@ class Store:
         with self._lock:
             rows = self._db.execute("SELECT * FROM jobs ORDER BY created_at, name").fetchall()
         return [Job.from_row(r) for r in rows]
+
+    def quarantine_unreadable(self, config_problem: Callable[[str], str | None]) -> list[Job]:
+        """Daemon start: every job row this ds3dd cannot read (a configuration an older version
+        stored that the schema now refuses, such as a NaN or a 2**63 step count, or a state
+        number it does not know) ends FAILED with the cause, in one transaction per job, so
+        that no stored job can take down the daemon, ListJobs or GetJob. The stored
+        configuration is kept as it was, for the operator. Returns the jobs quarantined (their
+        processes are the caller's to end)."""
+        with self._lock:
+            rows = self._db.execute("SELECT name, config_json, state, desired_state, done_reason "
+                                    "FROM jobs").fetchall()
+        names = []
+        for r in rows:
+            if r["done_reason"] == QUARANTINED:
+                continue
+            known = {s.value for s in JobState}
+            if r["state"] not in known or r["desired_state"] not in known:
+                cause = f"unknown state number {r['state']}/{r['desired_state']}"
+            else:
+                cause = config_problem(r["config_json"])
+            if cause is None:
+                continue
+            was = JobState(r["state"]).name if r["state"] in known else str(r["state"])
+            message = (f"quarantined at daemon start (was {was}): this ds3dd cannot read the "
+                       f"stored job: {cause}; start it again under a new name with a valid "
+                       "configuration (docs/runbook.md: quarantined jobs)")
+            now = time.time()
+            with self._tx() as db:
+                db.execute("INSERT INTO transitions (job, from_state, to_state, time, message) "
+                           "VALUES (?,?,?,?,?)", (r["name"], r["state"], JobState.FAILED.value,
+                                                  now, message))
+                db.execute("UPDATE jobs SET state=?, desired_state=?, done_reason=?, message=?, "
+                           "updated_at=? WHERE name=?",
+                           (JobState.FAILED.value, JobState.FAILED.value, QUARANTINED,
+                            message, now, r["name"]))
+                self._insert_event(db, {"job": r["name"], "time": now, "kind": "state",
+                                        "from_state": r["state"],
+                                        "to_state": JobState.FAILED.value,
+                                        "cause": QUARANTINED, "message": message})
+            names.append(r["name"])
+        return [self.get_job(n) for n in names]
 
     def transition(self, name: str, dst: JobState, message: str, *, cause: str = "",
                    kind: str = "state", **fields: Any) -> Job:
@@ -348,14 +378,14 @@ class Store:
                 self._insert_event(db, {"job": name, **ev})
             for ck in checkpoints:
                 db.execute(
-                    "INSERT INTO checkpoints (job, step, phase, path, time, blocked_s, detail) "
-                    "VALUES (?,?,?,?,?,?,?) ON CONFLICT(job, step) DO UPDATE SET "
-                    f"{_PHASE_UPSERT}, "
+                    "INSERT INTO checkpoints (job, step, phase, path, time, blocked_s) "
+                    "VALUES (?,?,?,?,?,?) ON CONFLICT(job, step) DO UPDATE SET "
+                    "phase=CASE WHEN phase='committed' THEN phase ELSE excluded.phase END, "
                     "path=CASE WHEN excluded.path='' THEN path "
                     "ELSE excluded.path END, time=excluded.time, "
                     "blocked_s=MAX(blocked_s, excluded.blocked_s)",
                     (name, ck["step"], ck["phase"], ck.get("path", ""), ck["time"],
-                     ck.get("blocked_s", 0.0), ck.get("detail", "")))
+                     ck.get("blocked_s", 0.0)))
             for path, off in offsets.items():
                 db.execute("INSERT INTO offsets (job, path, offset) VALUES (?,?,?) "
                            "ON CONFLICT(job, path) DO UPDATE SET offset=excluded.offset",
@@ -392,23 +422,6 @@ class Store:
             rows = self._db.execute("SELECT from_state, to_state, message FROM transitions "
                                     "WHERE job=? ORDER BY id", (name,)).fetchall()
         return [(JobState(r[0]), JobState(r[1]), r[2]) for r in rows]
-
-    def reconcile_checkpoints(self, name: str, rows: Iterable[dict[str, Any]],
-                              events: Iterable[dict[str, Any]]) -> None:
-        """What the store proved about the index (daemon/ckpt_index.py): each row's phase and
-        detail set as given (path and blocked time kept), with one event per change, in one
-        transaction."""
-        with self._tx() as db:
-            self._job_locked(db, name)
-            for ck in rows:
-                db.execute(
-                    "INSERT INTO checkpoints (job, step, phase, path, time, detail) "
-                    "VALUES (?,?,?,?,?,?) ON CONFLICT(job, step) DO UPDATE SET "
-                    "phase=excluded.phase, detail=excluded.detail",
-                    (name, ck["step"], ck["phase"], ck.get("path", ""), ck["time"],
-                     ck.get("detail", "")))
-            for ev in events:
-                self._insert_event(db, {"job": name, **ev})
 
     def checkpoints(self, name: str) -> list[CheckpointRow]:
         with self._lock:

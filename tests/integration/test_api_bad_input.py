@@ -7,6 +7,12 @@ step) start one through the real elastic agent with the stand-in worker (slow, s
 
 from __future__ import annotations
 
+import json
+import socket
+import sqlite3
+import subprocess
+import time
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -161,3 +167,236 @@ def test_refusals_about_an_existing_job(daemon):
         r = daemon.ctl(*argv)
         assert r.returncode == 2 and f"FAILED_PRECONDITION: {needle}" in r.stderr, r.stderr
     still_serving(daemon)
+
+
+# ---- issue 17: hardening the boundaries ------------------------------------------------------
+
+ISSUE17_REFUSED_STARTS = [
+    ("1: lr Infinity", tiny_job_json(name="inf").replace('"lr": 0.003', '"lr": Infinity'),
+     "train.lr=inf: must be a finite number"),
+    ("1: weight_decay NaN", tiny_job_json(name="nan").replace('"weight_decay": 0.1',
+                                                             '"weight_decay": NaN'),
+     "train.weight_decay=nan: must be a finite number"),
+    ("1: betas NaN", tiny_job_json(name="betas", train={"betas": [0.9, float("nan")]}),
+     "train.betas.1=nan: must be a finite number"),
+    ("2: steps 2**63", tiny_job_json(name="big", train={"steps": 2**63}),
+     "train.steps=9223372036854775808"),
+    ("2: steps 10**30", tiny_job_json(name="huge", train={"steps": 10**30}),
+     "less than or equal to 1000000000"),
+    ("3: trailing newline", tiny_job_json(name="nl\n"), "control character U+000A"),
+    ("4: micro-batch 10**9", tiny_job_json(name="mb", train={"micro_batch_size": 10**9}),
+     "train.micro_batch_size <= 65536"),
+    ("4: tp true", tiny_job_json(name="tpb", parallel={"tp": True}), "true/false is not converted"),
+    ("4: steps string", tiny_job_json(name="stepstr", train={"steps": "10"}),
+     "a string is not converted"),
+    ("4: duplicate hosts", tiny_job_json(name="hosts", launch={
+        "nnodes": 2, "hosts": ["127.0.0.2:7531", "127.0.0.2:7531"]}, parallel={"dp": 2}),
+     "listed more than once"),
+]
+
+
+@pytest.mark.parametrize("what,config_json,needle", ISSUE17_REFUSED_STARTS,
+                         ids=[c[0] for c in ISSUE17_REFUSED_STARTS])
+def test_issue17_refused_start_answers_invalid_argument_and_creates_nothing(
+        daemon, what, config_json, needle):
+    """Items 1-4: NaN, 2**63, "nl\\n", loose types, duplicate hosts: INVALID_ARGUMENT (not
+    INTERNAL), no job row, no job folder, and every job RPC keeps answering."""
+    before = sorted(p.name for p in (daemon.state_dir / "jobs").iterdir())
+    with pytest.raises(grpc.RpcError) as e:
+        call(daemon, "StartJob", pb.StartJobRequest(config_json=config_json))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+    assert needle in e.value.details(), e.value.details()
+    assert sorted(p.name for p in (daemon.state_dir / "jobs").iterdir()) == before
+    name = json.loads(config_json.replace("Infinity", "1").replace("NaN", "1"))["name"]
+    listed = call(daemon, "ListJobs", pb.ListJobsRequest(include_finished=True)).jobs
+    assert name not in [j.spec.name for j in listed]
+    with pytest.raises(grpc.RpcError) as e:
+        call(daemon, "GetJob", pb.JobRef(name=name))
+    assert e.value.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT)
+    still_serving(daemon)
+
+
+def test_issue17_3_a_name_with_a_newline_is_refused_by_every_rpc(daemon):
+    for method, request in (("GetJob", pb.JobRef(name="nl\n")),
+                            ("StopJob", pb.StopJobRequest(name="nl\n")),
+                            ("GetLogs", pb.GetLogsRequest(name="nl\n"))):
+        with pytest.raises(grpc.RpcError) as e:
+            call(daemon, method, request)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "job name 'nl\\n' is not allowed" in e.value.details()
+
+
+def test_issue17_5_refused_start_creates_nothing_in_the_store(daemon, tmp_path):
+    """Item 5: the store check (which creates the job's prefix) runs after every other check."""
+    store = tmp_path / "store"
+    config_json = tiny_job_json(name="nostore", data={"source": str(tmp_path / "none.bin")},
+                                checkpoint={"store": f"file://{store}"})
+    with pytest.raises(grpc.RpcError) as e:
+        call(daemon, "StartJob", pb.StartJobRequest(config_json=config_json))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "does not exist on this node" in e.value.details()
+    assert not store.exists()
+
+
+def _old_row(con: sqlite3.Connection, name: str, config_json: str, state: int, run_dir: str):
+    """A job row as ds3dd before issue 17 wrote it (Store.create_job, then the supervisor's
+    transitions): the configuration text as `cfg.dump_json()` made it."""
+    now = time.time()
+    con.execute("INSERT INTO jobs (name, config_json, state, desired_state, node, run_dir, "
+                "created_at, updated_at, message) VALUES (?,?,?,?,?,?,?,?,?)",
+                (name, config_json, state, 3, "test-node", run_dir, now, now, "accepted"))
+    con.commit()
+
+
+def _unvalidated_dump(**train) -> str:
+    """What the old daemon stored for a request it should have refused: a JobConfig built
+    without the checks (model_construct), dumped as `service.start` dumped it."""
+    from ds3d.trainer.config import build_job_config
+
+    cfg = build_job_config("tiny")
+    bad = cfg.train.model_construct(**{**cfg.train.__dict__, **train})
+    return cfg.model_construct(**{**cfg.__dict__, "train": bad}).dump_json()
+
+
+def test_issue17_1_unreadable_stored_jobs_are_quarantined_and_the_daemon_serves(tmp_path):
+    """Items 1-2 (and 5): rows an older ds3dd stored for `lr = inf` and `steps = 2**63` (with
+    its checks, the stored text is `"lr": null`, `"steps": 9223372036854775808`) no longer
+    take down the daemon: it starts, both jobs end FAILED with the cause, GetJob / ListJobs /
+    StopJob answer, and a new job of one of those names is refused without touching the
+    store."""
+    state = tmp_path / "state"
+    d = DaemonProc(state)
+    d.start()
+    d.stop()
+    assert "null" in _unvalidated_dump(lr=float("inf"))
+    con = sqlite3.connect(state / "ds3d.db")
+    _old_row(con, "inflr", _unvalidated_dump(lr=float("inf")), 3, str(state / "jobs/inflr"))
+    _old_row(con, "bigsteps", _unvalidated_dump(steps=2**63), 4, str(state / "jobs/bigsteps"))
+    con.close()
+
+    with DaemonProc(state) as d:
+        for name, was in (("inflr", "RUNNING"), ("bigsteps", "PAUSED")):
+            job = call(d, "GetJob", pb.JobRef(name=name)).job
+            assert job.state == pb.FAILED
+            assert f"quarantined at daemon start (was {was})" in job.message
+            assert ("train.lr=None" if name == "inflr" else "train.steps=9223372036854775808") \
+                in job.message
+            assert job.spec.name == name and job.spec.config_json
+            with pytest.raises(grpc.RpcError) as e:
+                call(d, "StopJob", pb.StopJobRequest(name=name))
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            events = call(d, "WatchEvents", pb.WatchEventsRequest(name=name))
+            assert [e.cause for e in events if e.kind == "state"][-1] == "quarantined"
+        names = [j.spec.name for j in call(d, "ListJobs",
+                                            pb.ListJobsRequest(include_finished=True)).jobs]
+        assert sorted(names) == ["bigsteps", "inflr"]
+        assert "FAILED" in d.ctl("list", "--all").stdout
+        store = tmp_path / "store"
+        with pytest.raises(grpc.RpcError) as e:
+            call(d, "StartJob", pb.StartJobRequest(config_json=tiny_job_json(
+                name="inflr", checkpoint={"store": f"file://{store}"})))
+        assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert not store.exists()
+        still_serving(d)
+    with DaemonProc(state) as d:  # a second start: nothing quarantined twice
+        events = call(d, "WatchEvents", pb.WatchEventsRequest(name="inflr"))
+        assert sum(e.cause == "quarantined" for e in events) == 1
+        still_serving(d)
+
+
+def _one_line_refusal(argv: list[str], needle: str) -> None:
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.stderr.count("\n") == 1 and needle in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+
+
+def test_issue17_6_listen_port_out_of_range_is_one_line_and_exit_2(tmp_path):
+    d = DaemonProc(tmp_path / "state", listen="127.0.0.1:99999")
+    _one_line_refusal(d.argv, "--listen '127.0.0.1:99999': use HOST:PORT with a port from 1 "
+                      "to 65535")
+
+
+def test_issue17_6_listen_port_in_use_is_one_line_and_exit_2(tmp_path):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        d = DaemonProc(tmp_path / "state", listen=f"127.0.0.1:{port}")
+        _one_line_refusal(d.argv, f"port {port} is already in use")
+
+
+CONTROL_METHODS = [m.name for m in pb.DESCRIPTOR.services_by_name["Control"].methods]
+
+
+def test_issue17_10_undecodable_bytes_are_invalid_argument_for_every_rpc(daemon):
+    """Item 10: grpcio answers a request it cannot deserialize with INTERNAL; ds3dd says
+    INVALID_ARGUMENT (the client's error), on every Control method and on health."""
+    channel = grpc.insecure_channel(daemon.addr)
+    with channel:
+        for method in CONTROL_METHODS:
+            desc = pb.DESCRIPTOR.services_by_name["Control"].methods_by_name[method]
+            path = f"/ds3d.v1.Control/{method}"
+            fn = channel.unary_stream(path) if desc.server_streaming else \
+                channel.unary_unary(path)
+            with pytest.raises(grpc.RpcError) as e:
+                r = fn(b"\x0a\xff\xff\xff\x0f", timeout=10, metadata=daemon.md())
+                list(r) if desc.server_streaming else None
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, e.value)
+            assert f"not a valid {method} message" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            channel.unary_unary("/grpc.health.v1.Health/Check")(b"\xff", timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    still_serving(daemon)
+
+
+def test_issue17_10_reflection_v1_beside_v1alpha(daemon):
+    from grpc_reflection.v1alpha import reflection_pb2 as r
+
+    channel = grpc.insecure_channel(daemon.addr)
+    with channel:
+        for version in ("v1", "v1alpha"):
+            info = channel.stream_stream(
+                f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+                request_serializer=r.ServerReflectionRequest.SerializeToString,
+                response_deserializer=r.ServerReflectionResponse.FromString)
+            answers = list(info(iter([r.ServerReflectionRequest(list_services=""),
+                                      r.ServerReflectionRequest(
+                                          file_containing_symbol="ds3d.v1.Control")]),
+                                timeout=10, metadata=daemon.md()))
+            services = {s.name for s in answers[0].list_services_response.service}
+            assert {"ds3d.v1.Control", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
+                    "grpc.reflection.v1alpha.ServerReflection"} <= services, (version, services)
+            assert answers[1].file_descriptor_response.file_descriptor_proto, version
+
+
+@pytest.mark.timeout(180)
+def test_issue17_10_health_is_not_serving_while_draining(tmp_path):
+    """Item 10: from SIGTERM on, while the daemon pauses its jobs, health says NOT_SERVING."""
+    d = DaemonProc(tmp_path / "state", worker_dir=tmp_path / "worker",
+                   extra_env={"FAKE_STEP_S": "1.0"}, args=["--drain-timeout", "60"])
+    with d:
+        call(d, "StartJob", pb.StartJobRequest(config_json=tiny_job_json(
+            name="drainme", train={"steps": 1000})))
+        deadline = time.monotonic() + 120
+        while call(d, "GetJob", pb.JobRef(name="drainme")).job.state != pb.RUNNING:
+            assert time.monotonic() < deadline, "drainme never RUNNING"
+            time.sleep(0.3)
+        channel = grpc.insecure_channel(d.addr)
+        seen: list[int] = []
+        stream = health_pb2_grpc.HealthStub(channel).Watch(
+            health_pb2.HealthCheckRequest(service="ds3d.v1.Control"), timeout=60)
+        first = next(stream)
+        assert first.status == health_pb2.HealthCheckResponse.SERVING
+        d.proc.terminate()  # SIGTERM: drain
+        try:
+            for update in stream:
+                seen.append(update.status)
+                if update.status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                    break
+        except grpc.RpcError:
+            pass
+        assert seen and seen[-1] == health_pb2.HealthCheckResponse.NOT_SERVING, seen
+        assert d.proc.poll() is None  # still draining when it said so
+        d.proc.wait(60)
+        channel.close()
