@@ -8,13 +8,21 @@ appended to --out after every section, so a run cut short still leaves what it m
 
 Sections:
   peak          bf16 matmul TFLOP/s (8192^3) and device-to-host GB/s into pinned / pageable memory
-  plain         the same model in a minimal PyTorch loop (autocast bf16, SDPA, fused AdamW)
-  plain_unfused_adam, plain_math_attention
+  minimal       the reference: a minimal GPT of the same size written independently of ds3d
+                (bench/minimal_gpt.py: pre-LN, SDPA, learned positions, fused AdamW), in the
+                obvious PyTorch loop (fp32 weights, autocast bf16)
+  minimal_unfused_adam, minimal_math_attention
                 the same without fused AdamW / without flash attention (SDPA's math path):
                 what each fused kernel gains
-  plain_compile the same + torch.compile
-  deepspeed     plain DeepSpeed: the same PipelineModule through deepspeed.initialize/train_batch,
+  minimal_compile  the same + torch.compile
+  deepspeed     plain DeepSpeed: ds3d's PipelineModule through deepspeed.initialize/train_batch,
                 ZeRO-1, bf16, without ds3d's loop (no reports, no per-step agreement, no faults)
+  deepspeed_unfused  the same with DS3D_FUSED_KERNELS=0 (eager rotary and cross-entropy)
+  deepspeed_compile  the same with train.compile = true
+  deepspeed_compile_deepspeed_clip  the same with DeepSpeed's own gradient clip
+                (DS3D_DEEPSPEED_CLIP=1: a host sync mid-step, see engine.clip_without_host_sync)
+  memory_<name> peak GPU memory of a few steps of one configuration (MEMORY_CONFIGS), against
+                trainer/memory_model.py's prediction
   ds3d          ds3d's whole worker loop (Trainer.run): reports, fault checks, command polling
   ds3d_compile  the same with train.compile = true (DeepSpeed engine.compile())
   profile       where the step time goes: CUDA kernel time by category (torch.profiler)
@@ -41,8 +49,22 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SECTIONS = ["peak", "plain", "plain_unfused_adam", "plain_math_attention", "plain_compile",
-            "deepspeed", "ds3d", "ds3d_compile", "profile", "checkpoint", "restore"]
+SECTIONS = ["peak", "minimal", "minimal_compile", "deepspeed", "deepspeed_compile", "ds3d",
+            "ds3d_compile"]
+OPTIONAL = ["minimal_unfused_adam", "minimal_math_attention", "deepspeed_unfused",
+            "deepspeed_compile_deepspeed_clip", "profile",
+            "checkpoint", "restore"]
+# (name, --set overrides of the bench job): sizes, micro-batches, checkpointing and ZeRO stages
+MEMORY_CONFIGS = {
+    "gpt1b_mb8": ["train.micro_batch_size=8"],
+    "gpt1b_mb8_ckpt": ["train.micro_batch_size=8", "parallel.activation_checkpoint_interval=1"],
+    "gpt1b_mb4": ["train.micro_batch_size=4"],
+    "gpt1b_mb4_zero2": ["train.micro_batch_size=4", "parallel.zero_stage=2"],
+    "gpt125m_mb16": ["model.d_model=768", "model.n_layers=12", "model.n_heads=12",
+                     "train.micro_batch_size=16"],
+    "gpt2b_mb2_ckpt": ["model.d_model=2560", "model.n_layers=32", "model.n_heads=20",
+                       "train.micro_batch_size=2", "parallel.activation_checkpoint_interval=1"],
+}
 DATASHEET_BF16_TFLOPS = 989.0
 
 
@@ -161,29 +183,28 @@ def sec_peak(args) -> dict:
             "d2h_pinned_GBps": bw["pinned"], "d2h_pageable_GBps": bw["pageable"]}
 
 
-def sec_plain(args, compile_: bool = False, fused_adam: bool = True,
-              attention: str = "auto") -> dict:
-    """A minimal PyTorch loop: no DeepSpeed, no ds3d; fp32 master weights, autocast bf16.
-    `fused_adam=False` and `attention="math"` (SDPA's unfused reference path instead of the
-    flash / cuDNN kernels) measure what each fused kernel gains."""
+def sec_minimal(args, compile_: bool = False, fused_adam: bool = True,
+                attention: str = "auto") -> dict:
+    """The minimal GPT (bench/minimal_gpt.py) in the obvious loop: no DeepSpeed, no ds3d; fp32
+    weights, autocast bf16. `fused_adam=False` and `attention="math"` (SDPA's unfused reference
+    path instead of the flash / cuDNN kernels) measure what each fused kernel gains."""
     import contextlib
 
     import torch
 
-    from ds3d.trainer.model import GPTSequential
-    from ds3d.trainer.tensor_parallel import TPGroup
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from minimal_gpt import MinimalConfig, MinimalGPT, make_optimizer
+
     from ds3d.trainer.data import BatchPlan
 
     cfg = build_cfg(args)
+    m = cfg.model
     device = torch.device(args.device)
+    torch.manual_seed(0)
     with torch.device(device):
-        model = GPTSequential(cfg, TPGroup(None, 0, 1))
-    decay = [p for n, p in model.named_parameters() if n.endswith("weight") and p.dim() >= 2]
-    other = [p for n, p in model.named_parameters() if not (n.endswith("weight") and p.dim() >= 2)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                             {"params": other, "weight_decay": 0.0}], lr=1e-4,
-                            fused=device.type == "cuda" and fused_adam,
-                            foreach=None if fused_adam else False)
+        model = MinimalGPT(MinimalConfig(m.vocab_size, m.d_model, m.n_layers, m.n_heads,
+                                         m.seq_len))
+    opt = make_optimizer(model, 1e-4, fused=device.type == "cuda" and fused_adam)
     step_model = torch.compile(model) if compile_ else model
     if attention == "math":
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -192,9 +213,8 @@ def sec_plain(args, compile_: bool = False, fused_adam: bool = True,
         attn_ctx = contextlib.nullcontext
     plan = BatchPlan(cfg, 1, 0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    times, first = [], None
-    for step in range(args.warmup + args.steps):
-        t0 = time.perf_counter()
+
+    def one_step(step: int) -> float:
         for x, y in plan.step_iterator(step):
             x, y = torch.from_numpy(x).to(device), torch.from_numpy(y).to(device)
             with torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda"), \
@@ -204,38 +224,139 @@ def sec_plain(args, compile_: bool = False, fused_adam: bool = True,
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        loss.item()
+        return loss.item()
+
+    out = timed_steps(args, cfg, device, one_step)
+    out["parameters"] = sum(p.numel() for p in model.parameters())
+    return out
+
+
+def timed_steps(args, cfg, device, one_step) -> dict:
+    """Warm-up and timed steps of `one_step(step) -> loss`; then, with --profile-dir, two more
+    steps under torch.profiler, whose kernel table goes to <profile-dir>/<section>.txt."""
+    import torch
+
+    times, first, loss = [], None, float("nan")
+    for step in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        loss = one_step(step)
         sync(device)
         dt = time.perf_counter() - t0
         first = dt if first is None else first
         if step >= args.warmup:
             times.append(dt)
+        progress("step", step=step, seconds=dt)
     out = summarize_steps(times, cfg, args.peak)
     out.update(first_step_s=first, final_loss=float(loss))
     if device.type == "cuda":
         out["max_memory_GiB"] = torch.cuda.max_memory_allocated() / 2**30
+    if args.profile_dir and device.type == "cuda":
+        out["profile"] = profile_steps(args, device, one_step, args.warmup + args.steps)
+    return out
+
+
+def profile_steps(args, device, one_step, first_step: int, n: int = 2) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for step in range(first_step, first_step + n):
+            one_step(step)
+        sync(device)
+    table = prof.key_averages().table(sort_by="device_time_total", row_limit=60,
+                                      max_name_column_width=90)
+    path = Path(args.profile_dir) / f"{args.section}.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{args.section}: {n} steps\n{table}\n\n{idle_gaps(prof, n)}\n")
+    return kernel_categories(prof, n)
+
+
+def idle_gaps(prof, n: int, top: int = 25) -> str:
+    """Where the GPU waits: gaps between consecutive kernels longer than 0.1 ms, the largest
+    with the innermost CPU ops running during them (what the host was doing meanwhile)."""
+    events = list(prof.events())
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in events
+                     if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
+    gaps, end = [], None
+    for a, b in kernels:
+        if end is not None and a - end > 100:
+            gaps.append((a - end, end, a))
+        end = b if end is None else max(end, b)
+    if not kernels:
+        return "no GPU kernels profiled"
+    cpu = [e for e in events if e.device_type.name == "CPU"]
+    lines = [f"GPU idle in gaps > 0.1 ms: {sum(g[0] for g in gaps) / 1e3 / n:.1f} ms per step "
+             f"({len(gaps) / n:.0f} gaps per step); kernels span "
+             f"{(kernels[-1][1] - kernels[0][0]) / 1e3 / n:.1f} ms per step"]
+    for length, a, b in sorted(gaps, reverse=True)[:top]:
+        during = sorted((e for e in cpu if e.time_range.start < b and e.time_range.end > a),
+                        key=lambda e: e.time_range.end - e.time_range.start)[:4]
+        lines.append(f"  {length / 1e3:7.2f} ms  during: " +
+                     " < ".join(e.name[:60] for e in during))
+    return "\n".join(lines)
+
+
+def kernel_categories(prof, n: int) -> dict:
+    """CUDA kernel time per step by category, and the top kernels."""
+    cats: dict[str, float] = {}
+    top: list[tuple[str, float]] = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", 0.0) or getattr(ev, "cuda_time_total", 0.0)
+        if t <= 0 or ev.device_type.name != "CUDA":
+            continue
+        if getattr(ev, "is_user_annotation", False) or "#" in ev.key or \
+                ev.key.startswith(("ProfilerStep", "Optimizer.")):
+            continue  # annotations span kernels already counted: counting them is double
+        name = ev.key.lower()
+        cat = ("attention" if any(k in name for k in ("sdpa", "flash", "fmha", "attention"))
+               else "matmul" if any(k in name for k in ("gemm", "cutlass", "xmma", "sm90", "nvjet"))
+               else "communication" if "nccl" in name
+               else "memcpy" if "memcpy" in name or "memset" in name
+               else "optimizer" if "adam" in name or "multi_tensor" in name
+               else "other (elementwise, norms, softmax, loss)")
+        cats[cat] = cats.get(cat, 0.0) + t / 1e6 / n
+        top.append((ev.key[:90], t / 1e6 / n))
+    top.sort(key=lambda kv: -kv[1])
+    return {"kernel_busy_s": sum(cats.values()),
+            "by_category_s": dict(sorted(cats.items(), key=lambda kv: -kv[1])),
+            "top_kernels_s": top[:12]}
+
+
+def sec_memory(args, name: str) -> dict:
+    """Peak GPU memory over a few steps of one configuration through ds3d's TrainStep,
+    with the memory model's prediction for the same job beside it."""
+    import torch
+
+    sets = list(MEMORY_CONFIGS[name])
+    mb = next(int(x.split("=")[1]) for x in sets if x.startswith("train.micro_batch_size"))
+    sets.append(f"train.global_batch_size={mb}")
+    cfg, device, layout, TrainStep = engine_stack(args, sets)
+    step_fn = TrainStep(cfg, layout, device)
+    sync(device)
+    out = {"sets": sets, "parameters": cfg.model.n_params(),
+           "allocated_after_build_GiB": torch.cuda.memory_allocated() / 2**30}
+    for step in range(3):
+        step_fn.run(step)
+        sync(device)
+        out.setdefault("allocated_between_steps_GiB", []).append(
+            torch.cuda.memory_allocated() / 2**30)
+    out.update(max_allocated_GiB=torch.cuda.max_memory_allocated() / 2**30,
+               max_reserved_GiB=torch.cuda.max_memory_reserved() / 2**30)
+    try:
+        from ds3d.trainer.memory_model import estimate
+    except ImportError:  # measured now, predicted later (bench/memory_table.py)
+        return out
+    rank0 = estimate(cfg).ranks[0]
+    out.update(predicted_GiB=rank0.gpu_total / 2**30,
+               predicted_parts_GiB={k: v / 2**30 for k, v in rank0.gpu_parts.items()})
+    out["error_vs_reserved"] = out["predicted_GiB"] / out["max_reserved_GiB"] - 1
     return out
 
 
 def sec_deepspeed(args, compile_: bool = False) -> dict:
-    import torch
-
+    """ds3d's model through DeepSpeed's engine (TrainStep), without ds3d's worker loop."""
     cfg, device, layout, TrainStep = engine_stack(args, ["train.compile=true"] if compile_ else [])
     step_fn = TrainStep(cfg, layout, device)
-    times, first = [], None
-    for step in range(args.warmup + args.steps):
-        t0 = time.perf_counter()
-        r = step_fn.run(step)
-        sync(device)
-        dt = time.perf_counter() - t0
-        first = dt if first is None else first
-        if step >= args.warmup:
-            times.append(dt)
-    out = summarize_steps(times, cfg, args.peak)
-    out.update(first_step_s=first, final_loss=r.loss)
-    if device.type == "cuda":
-        out["max_memory_GiB"] = torch.cuda.max_memory_allocated() / 2**30
-    return out
+    return timed_steps(args, cfg, device, lambda step: step_fn.run(step).loss)
 
 
 def sec_ds3d(args, compile_: bool = False) -> dict:
@@ -454,11 +575,20 @@ def sec_restore(args) -> dict:
 
 
 def run_section(name: str, args) -> dict:
-    fn = {"peak": sec_peak, "plain": sec_plain,
-          "plain_unfused_adam": lambda a: sec_plain(a, fused_adam=False),
-          "plain_math_attention": lambda a: sec_plain(a, attention="math"),
-          "plain_compile": lambda a: sec_plain(a, compile_=True),
-          "deepspeed": sec_deepspeed, "ds3d": sec_ds3d,
+    if name.startswith("memory_"):
+        return sec_memory(args, name[len("memory_"):])
+    if name == "deepspeed_unfused":
+        os.environ["DS3D_FUSED_KERNELS"] = "0"
+    if name == "deepspeed_compile_deepspeed_clip":  # DeepSpeed's own clip (a host sync)
+        os.environ["DS3D_DEEPSPEED_CLIP"] = "1"
+    fn = {"peak": sec_peak, "minimal": sec_minimal,
+          "minimal_unfused_adam": lambda a: sec_minimal(a, fused_adam=False),
+          "minimal_math_attention": lambda a: sec_minimal(a, attention="math"),
+          "minimal_compile": lambda a: sec_minimal(a, compile_=True),
+          "deepspeed": sec_deepspeed, "deepspeed_unfused": sec_deepspeed,
+          "deepspeed_compile": lambda a: sec_deepspeed(a, compile_=True),
+          "deepspeed_compile_deepspeed_clip": lambda a: sec_deepspeed(a, compile_=True),
+          "ds3d": sec_ds3d,
           "ds3d_compile": lambda a: sec_ds3d(a, compile_=True),
           "profile": sec_profile, "checkpoint": sec_checkpoint, "restore": sec_restore}[name]
     return fn(args)
@@ -469,7 +599,11 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/gpu.json")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--quick", action="store_true", help="a small model (smoke test)")
-    ap.add_argument("--sections", default=",".join(SECTIONS))
+    ap.add_argument("--sections", default=",".join(SECTIONS),
+                    help="comma-separated; also: " + ", ".join(OPTIONAL) + ", memory (all of "
+                    + ", ".join("memory_" + k for k in MEMORY_CONFIGS) + ")")
+    ap.add_argument("--profile-dir", default=None,
+                    help="profile 2 steps after the timed ones; kernel tables written here")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--section-timeout", type=float, default=420.0,
@@ -497,11 +631,14 @@ def main() -> None:
                       gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None)
     except Exception as e:  # recorded, not fatal: the sections report their own failures
         report["env_error"] = repr(e)
-    for name in args.sections.split(","):
+    names = [n for part in args.sections.split(",") for n in
+             (["memory_" + k for k in MEMORY_CONFIGS] if part == "memory" else [part])]
+    for name in names:
         peak = report["sections"].get("peak", {})
         cmd = [sys.executable, str(Path(__file__).resolve()), "--section", name, "--device",
                args.device, "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--work", work] + (["--quick"] if args.quick else [])
+               "--work", work] + (["--quick"] if args.quick else []) + \
+            (["--profile-dir", args.profile_dir] if args.profile_dir else [])
         if peak.get("bf16_matmul_tflops"):
             cmd += ["--peak", str(peak["bf16_matmul_tflops"]),
                     "--d2h-pinned", str(peak["d2h_pinned_GBps"])]
@@ -557,8 +694,8 @@ def progress(what: str, **numbers) -> None:
 def print_table(report: dict) -> None:
     s = report["sections"]
     print("\nsetup            s/step   tokens/s   MFU(989)  MFU(meas.)  first step s")
-    for name in ("plain", "plain_unfused_adam", "plain_math_attention", "plain_compile",
-                 "deepspeed", "ds3d", "ds3d_compile"):
+    for name in ("minimal", "minimal_unfused_adam", "minimal_math_attention", "minimal_compile",
+                 "deepspeed_unfused", "deepspeed", "deepspeed_compile", "ds3d", "ds3d_compile"):
         r = s.get(name, {})
         if "step_s" in r:
             print(f"{name:15} {r['step_s']:7.4f} {r['tokens_per_s']:10.0f} "
@@ -566,6 +703,13 @@ def print_table(report: dict) -> None:
                   f"{r.get('first_step_s', 0):12.1f}")
     if "step_s" in s.get("ds3d", {}) and "step_s" in s.get("deepspeed", {}):
         print(f"ds3d / plain DeepSpeed step time: {s['ds3d']['step_s'] / s['deepspeed']['step_s']:.4f}")
+    mem = {k[len("memory_"):]: v for k, v in s.items() if k.startswith("memory_")}
+    if mem:
+        print("\nmemory config      predicted GiB  max allocated  max reserved  error vs reserved")
+    for k, r in mem.items():
+        if "predicted_GiB" in r:
+            print(f"{k:18} {r['predicted_GiB']:13.2f} {r['max_allocated_GiB']:14.2f} "
+                  f"{r['max_reserved_GiB']:13.2f} {r['error_vs_reserved']:+17.1%}")
     c = s.get("checkpoint", {})
     if "ds3d_blocked_s" in c:
         print(f"checkpoint: sync {c['sync_blocked_s']} s, ds3d blocked {c['ds3d_blocked_s']} s, "

@@ -229,7 +229,7 @@ def load_exported(path: str | Path) -> Any:
     from safetensors.torch import load_file
 
     from ds3d.trainer.config import JobConfig, ModelConfig
-    from ds3d.trainer.model import GPTSequential, Rotary
+    from ds3d.trainer.model import GPTSequential
     from ds3d.trainer.tensor_parallel import TPGroup
 
     path = Path(path)
@@ -237,11 +237,7 @@ def load_exported(path: str | Path) -> Any:
     with torch.device("meta"):  # no initialisation: every weight comes from the file
         model = GPTSequential(JobConfig(model=m), TPGroup(None, 0, 1))
     model.load_state_dict(load_file(str(path / "model.safetensors")), strict=True, assign=True)
-    for module in model.modules():  # rotary tables are derived, not saved
-        if isinstance(module, Rotary):
-            fresh = Rotary(m.d_model // m.n_heads, m.seq_len, m.rope_theta)
-            module.cos, module.sin = fresh.cos, fresh.sin
-    return model.eval()
+    return model.eval()  # rotary tables are derived per device at the first call (kernels.py)
 
 
 def main(argv: list[str] | None = None) -> int:

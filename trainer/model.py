@@ -2,8 +2,8 @@
 [Embedding, Block x n_layers, Head] that DeepSpeed cuts into pipeline stages.
 
 Each block is pre-LayerNorm: x + Attn(LN(x)), then x + MLP(LN(x)); attention is causal
-`scaled_dot_product_attention` (flash / memory-efficient kernels on GPU) with rotary positions;
-the MLP is GELU. QKV and FC1 are column-parallel, the attention output projection and FC2
+`scaled_dot_product_attention` (flash / memory-efficient kernels on GPU) with rotary positions
+(applied with the QKV split in one fused kernel on GPU, see kernels.py); the MLP is GELU. QKV and FC1 are column-parallel, the attention output projection and FC2
 row-parallel, the embedding and the head vocabulary-parallel (see tensor_parallel.py).
 The embedding and head are untied (see ModelConfig).
 """
@@ -18,6 +18,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule
 from torch import nn
 
 from .config import JobConfig, ModelConfig
+from .kernels import rotary_qkv
 from .partition import layer_param_counts, stage_boundaries  # noqa: F401 (re-exported)
 from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TPGroup,
                               VocabParallelEmbedding, vocab_parallel_cross_entropy)
@@ -26,24 +27,6 @@ from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TPGroup,
 def param_seed(base: int, layer: int, slot: int) -> int:
     """A stable seed per (job seed, layer, parameter slot), independent of the layout."""
     return (base * 1_000_003 + layer * 1_009 + slot) % (2**63)
-
-
-class Rotary(nn.Module):
-    """Rotary position embedding (RoFormer) applied to q and k of shape [b, h, s, hd]."""
-
-    def __init__(self, head_dim: int, seq_len: int, theta: float) -> None:
-        super().__init__()
-        inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-        freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv)  # [s, hd/2]
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        s = x.shape[-2]
-        cos, sin = self.cos[:s].to(x.dtype), self.sin[:s].to(x.dtype)
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-        out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-        return out.flatten(-2)
 
 
 class EmbeddingLayer(nn.Module):
@@ -70,13 +53,12 @@ class TransformerBlock(nn.Module):
         self.ln2 = nn.LayerNorm(d, eps=cfg.norm_eps)
         self.fc1 = ColumnParallelLinear(d, d_ff, tp, param_seed(seed, layer, 3), cfg.init_std)
         self.fc2 = RowParallelLinear(d_ff, d, tp, param_seed(seed, layer, 4), out_std)
-        self.rotary = Rotary(self.head_dim, cfg.seq_len, cfg.rope_theta)
+        self.rope_theta = cfg.rope_theta
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         qkv = self.qkv(self.ln1(x)).view(b, s, 3, self.n_local_heads, self.head_dim)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each [b, h_local, s, hd]
-        q, k = self.rotary(q), self.rotary(k)
+        q, k, v = rotary_qkv(qkv, self.rope_theta)  # each [b, h_local, s, hd], q and k rotated
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         a = a.transpose(1, 2).reshape(b, s, self.n_local_heads * self.head_dim)
         x = x + self.proj(a)
