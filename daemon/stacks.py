@@ -104,12 +104,21 @@ _NOT_RUNNING = {psutil.STATUS_STOPPED: "the process is stopped (SIGSTOP/SIGTSTP)
                 psutil.STATUS_ZOMBIE: "the process has exited (zombie)"}
 
 
-def _state(pid: int) -> str:
-    """Why a process cannot answer, from its state in /proc ('' when it is running/sleeping)."""
+# not asked at all: they cannot answer until someone else acts (py-spy would wait on them);
+# a process in uninterruptible sleep may be in a short disk wait, so it is asked like the others
+_UNASKABLE = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP, psutil.STATUS_ZOMBIE)
+
+
+def _state(pid: int, unaskable_only: bool = False) -> str:
+    """Why a process cannot answer, from its state in /proc ('' when it is running/sleeping,
+    or, with `unaskable_only`, when it may still answer)."""
     try:
-        return _NOT_RUNNING.get(psutil.Process(pid).status(), "")
+        status = psutil.Process(pid).status()
     except psutil.Error:
         return "the process is gone"
+    if unaskable_only and status not in _UNASKABLE:
+        return ""
+    return _NOT_RUNNING.get(status, "")
 
 
 def dump_stacks(run_dir: Path, attempt: int, timeout_s: float = 10.0,
@@ -124,7 +133,7 @@ def dump_stacks(run_dir: Path, attempt: int, timeout_s: float = 10.0,
     host = host or socket.gethostname()
     why: dict[int, str] = {}
     for rank, (pid, _local) in workers.items():
-        if (state := _state(pid)):
+        if (state := _state(pid, unaskable_only=True)):
             why[rank] = state
     askable = {r: w for r, w in workers.items() if r not in why}
     spy = _py_spy()

@@ -1,0 +1,126 @@
+"""Hang drill (issue 24 items 1, 2, 7): a rank frozen with SIGSTOP through a real ds3dd.
+
+A DP-2 job trains; once rank 0 reported a step, rank 1 gets SIGSTOP. Rank 0 then waits in the
+gradient all-reduce, rank 1 cannot answer anything. The hang fault must name rank 1 as the first
+suspect with its pid, host and why its stack could not be taken (it is stopped); rank 0's stack
+(waiting in a collective) is in the detail. Its time to detect is the detector's decision,
+`--hang-timeout` after the silence began, not after stacks were taken and the group killed.
+`ds3dctl events JOB --json` carries the whole detail (stacks included) and `--detail` prints it.
+A unit-sized second test freezes a lone process and asks dump_stacks directly.
+
+Heavy: `flock /tmp/ds3d-heavy.lock .venv/bin/pytest -q tests/drills/test_hang_suspect_drill.py`
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+
+from ds3d.daemon import stacks  # noqa: E402
+from ds3d.trainer.config import build_job_config  # noqa: E402
+
+from test_daemon_support import DaemonProc, pb  # noqa: E402
+
+pytestmark = [pytest.mark.slow]
+
+HANG_TIMEOUT_S = 20
+
+
+@pytest.mark.timeout(900)
+def test_a_stopped_rank_is_the_first_suspect_and_detection_is_timed_to_the_decision(tmp_path):
+    with DaemonProc(tmp_path / "state", node="drill-node",
+                    args=["--hang-timeout", str(HANG_TIMEOUT_S)]) as d:
+        cfg = build_job_config("tiny", ["parallel.tp=1", "parallel.pp=1", "parallel.dp=2",
+                                        "train.steps=40", "checkpoint.interval=5"], name="frozen")
+        channel, stub = d.stub()
+        with channel:
+            stub.StartJob(pb.StartJobRequest(config_json=cfg.dump_json()), timeout=60)
+        job = d.wait_for("frozen", lambda j: j["step"] >= 3 or j["state"] in ("FAILED",
+                                                                               "COMPLETED"),
+                         "step 3", timeout_s=400)
+        assert job["state"] == "RUNNING", job
+        workers = stacks.local_workers(Path(job["run_dir"]))
+        pid = workers[1][0]
+        os.kill(pid, signal.SIGSTOP)
+        stopped_at = time.time()
+        try:
+            d.wait_for("frozen", lambda j: j["restarts"] >= 1 or j["state"] != "RUNNING",
+                       "the hang fault", timeout_s=HANG_TIMEOUT_S + 120)
+        finally:
+            try:
+                os.kill(pid, signal.SIGCONT)  # if the recovery did not end it yet
+            except ProcessLookupError:
+                pass
+        done = d.wait_state("frozen", "COMPLETED", "FAILED", timeout_s=500)
+        assert done["state"] == "COMPLETED", d.ctl("logs", "frozen").stdout[-4000:]
+
+        r = d.ctl("events", "frozen", "--json")
+        assert r.returncode == 0, r.stderr
+        events = [json.loads(line) for line in r.stdout.splitlines()]
+        [hang] = [e for e in events if e["kind"] == "fault" and e["cause"] == "hang"]
+        detail = hang["detail"]
+        assert detail["suspects"][0] == 1 and hang["rank"] == 1, detail
+        assert detail["unanswered"]["1"]["pid"] == pid, detail
+        assert detail["unanswered"]["1"]["host"] == "drill-node", detail
+        assert "stopped" in detail["unanswered"]["1"]["why"], detail
+        assert f"rank 1 (pid {pid} on drill-node) did not answer" in hang["message"], hang
+        assert "0" in detail["stacks"] and "1" not in detail["stacks"], detail
+        assert detail["stack_method"] in ("py-spy", "faulthandler")
+
+        # time to detect ends at the detector's decision: the silence began at the stop (or
+        # at the last report just before it), and the decision came a hang timeout later
+        [rec] = [e for e in events if e["kind"] == "recovered" and e["cause"] == "hang"]
+        ttd = rec["detail"]["time_to_detect_s"]
+        last_step_time = max(e["time"] for e in events if e["kind"] == "step" and
+                             e["step"] == rec["detail"]["last_step"] and e["time"] < hang["time"])
+        decided = last_step_time + ttd
+        # (rank 0 may finish the step in flight after the stop: the silence starts then)
+        assert HANG_TIMEOUT_S - 1 <= decided - stopped_at <= HANG_TIMEOUT_S + 8, \
+            (decided - stopped_at, rec)
+        assert decided <= hang["time"], (decided, hang["time"])  # before stacks and the kill
+
+        # the readable view prints the same detail
+        r = d.ctl("events", "frozen", "--kind", "fault", "--detail")
+        assert r.returncode == 0, r.stderr
+        assert "unanswered:" in r.stdout and f"pid: {pid}" in r.stdout, r.stdout[-3000:]
+        assert "stacks:" in r.stdout, r.stdout[-3000:]
+
+
+FROZEN = r'''
+import time
+print("ready", flush=True)
+while True:
+    time.sleep(1)
+'''
+
+
+@pytest.mark.timeout(60)
+def test_dump_stacks_names_a_stopped_process_instead_of_waiting_on_it(tmp_path):
+    run_dir = tmp_path / "job"
+    script = tmp_path / "frozen.py"
+    script.write_text(FROZEN)
+    proc = subprocess.Popen([sys.executable, str(script), "--run-dir", str(run_dir)],
+                            stdout=subprocess.PIPE,
+                            env={**os.environ, "RANK": "3", "LOCAL_RANK": "0"})
+    try:
+        assert proc.stdout.readline().strip() == b"ready"
+        os.kill(proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        dump = stacks.dump_stacks(run_dir, attempt=1, host="here")
+        assert time.monotonic() - t0 < 5  # not asked: no py-spy or faulthandler wait
+        assert dump.stacks == {} and dump.method == ""
+        assert dump.unanswered == {3: {"pid": proc.pid, "host": "here",
+                                       "why": "the process is stopped (SIGSTOP/SIGTSTP)"}}
+        assert stacks.suspects(dump) == [3]
+    finally:
+        proc.kill()
+        proc.wait()
