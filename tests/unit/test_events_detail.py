@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import json
-from types import SimpleNamespace
 
 from ds3d.daemon import cli
 from ds3d.v1 import control_pb2 as pb
