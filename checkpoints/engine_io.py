@@ -29,6 +29,7 @@ from ds3d.trainer.config import JobConfig
 from ds3d.trainer.errors import CheckpointError, Ds3dError
 
 from .catalog import Catalog, CkptState
+from .disk_space import Shortage
 from .identity import claim_prefix, local_job_id
 from .manifest import CheckpointMeta, Layout, Manifest
 from .reshape import check_reshapable, convert_to_universal, needs_reshape
@@ -85,7 +86,8 @@ class CheckpointManager:
                                on_skip=self._on_skip)
         self.uploader = Uploader(self.storage, self.local_dir, me.rank, me.world_size,
                                  on_event=self._on_upload_event)
-        self.snapshot = SnapshotCheckpointEngine(on_durable=self._on_durable)
+        self.snapshot = SnapshotCheckpointEngine(on_durable=self._on_durable,
+                                                 on_failed=self._on_write_failed)
         self._meta: dict[str, tuple[int, CheckpointMeta]] = {}
         # pipeline stage boundaries this run builds; a checkpoint saved with others (its
         # data_position "partition") has per-stage optimizer shards that do not fit: universal
@@ -222,6 +224,16 @@ class CheckpointManager:
         step, meta = self._meta.pop(tag)
         files = sorted(os.path.relpath(p, self.local_dir) for p in paths)
         self.uploader.submit(step, files, meta)
+
+    def _on_write_failed(self, tag: str, paths: list[str], short: Shortage, error: str) -> None:
+        """Writer thread: the local disk was full. The save is dropped (its partial files are
+        gone, nothing older is touched) and reported; training goes on and the next save
+        tries again."""
+        step, _meta = self._meta.pop(tag)
+        log.warning("checkpoint_disk_full", step=step, error=error, **short.fields())
+        self.emit("checkpoint", step=step, phase="failed", cause="disk_full",
+                  detail=short.message(f"checkpoint step {step} (rank {self.me.rank})"),
+                  **short.fields())
 
     def _on_upload_event(self, ev: UploadEvent) -> None:
         extra: dict[str, Any] = {}

@@ -23,12 +23,13 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from ds3d.trainer.errors import NotFoundError, PermissionError_, StorageError
 
+from .disk_space import is_disk_full, shortage
 from .storage import ObjectInfo
 
 _TMP_PREFIX = ".tmp-ds3d-"
@@ -71,7 +72,8 @@ class FileStorage:
         docstring); `last_put` says which. The caller must not rewrite `local_path` in place
         afterwards (a new file renamed over it is fine)."""
         dest = self._path(key)
-        with _os_errors(f"upload {local_path} to {self.url}/{key}"):
+        with _os_errors(f"upload {local_path} to {self.url}/{key}", where=dest,
+                        needed=lambda: Path(local_path).stat().st_size):
             tmp = self._tmp_beside(dest)
             try:
                 self.last_put = _share_or_copy(Path(local_path), tmp)
@@ -82,7 +84,7 @@ class FileStorage:
 
     def put_bytes(self, key: str, data: bytes, if_absent: bool = False) -> bool:
         dest = self._path(key)
-        with _os_errors(f"write {self.url}/{key}"):
+        with _os_errors(f"write {self.url}/{key}", where=dest, needed=lambda: len(data)):
             tmp = self._tmp_beside(dest)
             try:
                 with open(tmp, "wb") as fh:
@@ -200,8 +202,11 @@ class FileStorage:
 
 
 @contextmanager
-def _os_errors(what: str, key: str | None = None) -> Iterator[None]:
-    """Maps OSError to the error hierarchy, naming the operation and what to fix."""
+def _os_errors(what: str, key: str | None = None, where: Path | None = None,
+               needed: Callable[[], int] | None = None) -> Iterator[None]:
+    """Maps OSError to the error hierarchy, naming the operation and what to fix; a full disk
+    names the path, the bytes free there and the bytes the write needed (`where`, `needed`).
+    The write's temporary file is already gone by then (each writer removes its own)."""
     try:
         yield
     except FileNotFoundError as exc:
@@ -212,8 +217,13 @@ def _os_errors(what: str, key: str | None = None) -> Iterator[None]:
         if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
             raise PermissionError_(f"cannot {what}: {exc.strerror}; give the job's user write "
                                    "access to that folder or choose another store") from exc
-        if exc.errno == errno.ENOSPC:
-            raise StorageError(f"cannot {what}: no space left on the device") from exc
+        if is_disk_full(exc):
+            try:
+                size = needed() if needed is not None else 0
+            except OSError:
+                size = 0
+            short = shortage(where or Path("/"), size)
+            raise StorageError(f"cannot {what}: {short.message('the store')}") from exc
         raise StorageError(f"cannot {what}: {exc}") from exc
 
 

@@ -18,6 +18,14 @@ A save that arrives while the previous one is still being written waits for that
 (the host buffers are in use): saves are serialised, never overlapped, never coalesced away.
 `on_durable(tag, paths)` is called on the writer thread when all files of a tag are on disk; it
 must not use collectives (no process group is shared with the training thread).
+
+A full disk fails the save, never training: when a write of a tag runs out of space (ENOSPC or
+EDQUOT, `disk_space.is_disk_full`), the tag's remaining writes are skipped, every file of it
+written so far (and the partial temp file) is removed, and `on_failed(tag, paths, shortage,
+error)` reports the bytes this rank's files needed against the bytes free on that file system.
+Nothing older is touched: earlier tags live in their own folders and nothing here deletes
+them, so the last good checkpoint survives. Any other write error is kept and raised by the
+next save, as before.
 """
 
 from __future__ import annotations
@@ -29,23 +37,33 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
-from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (CheckpointCommitInfo,
-                                                                   CheckpointEngine)
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
+    CheckpointCommitInfo,
+    CheckpointEngine,
+)
+
+from .disk_space import Shortage, is_disk_full, shortage
 
 DurableCallback = Callable[[str, list[str]], None]
+# (tag, its file paths, what did not fit, the error's text): a save abandoned for a full disk
+FailedCallback = Callable[[str, list[str], Shortage, str], None]
 
 
 class SnapshotCheckpointEngine(CheckpointEngine):
-    def __init__(self, on_durable: DurableCallback | None = None) -> None:
+    def __init__(self, on_durable: DurableCallback | None = None,
+                 on_failed: FailedCallback | None = None) -> None:
         super().__init__()
         self.name = "ds3d-snapshot"
         self.on_durable = on_durable
+        self.on_failed = on_failed
         self._jobs: queue.Queue[tuple[str, Any, Any]] = queue.Queue()
         self._buffers: dict[tuple[str, int], torch.Tensor] = {}
-        self._staged: list[tuple[Any, str]] = []
+        self._staged: list[tuple[Any, str, int]] = []  # (host copy, path, its tensor bytes)
+        self._full: dict[str, BaseException] = {}  # writer thread: tags whose disk was full
         self._error: BaseException | None = None
         self._arena: mmap.mmap | None = None  # host memory the snapshots are carved from
         self._arena_address: int | None = None  # its address, when registered (pinned) with CUDA
@@ -66,7 +84,7 @@ class SnapshotCheckpointEngine(CheckpointEngine):
 
     def save(self, state_dict: Any, path: str) -> None:
         t0 = time.perf_counter()
-        counter = [0]
+        counter = [0, 0]  # tensors copied, their bytes
         self._device_copies = False
         snapshot = self._to_host(state_dict, os.path.basename(path), counter)
         if self._device_copies:
@@ -74,18 +92,19 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         self.copy_seconds += time.perf_counter() - t0
         # written only after commit(): a writer pickling on another thread meanwhile would
         # compete with these copies for the GIL and the memory bus
-        self._staged.append((snapshot, path))
+        self._staged.append((snapshot, path, counter[1]))
 
     def load(self, path: str, map_location: Any = None) -> Any:
         self.wait()
         return torch.load(path, map_location=map_location, weights_only=False)
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
-        paths = [path for _, path in self._staged]
-        for snapshot, path in self._staged:
+        paths = [path for _, path, _ in self._staged]
+        needed = sum(nbytes for _, _, nbytes in self._staged)
+        for snapshot, path, _ in self._staged:
             self._jobs.put(("write", snapshot, path))
         self._staged = []
-        self._jobs.put(("commit", info.tag, paths))
+        self._jobs.put(("commit", info.tag, (paths, needed)))
         return True
 
     def preserves_storage_sharing(self) -> bool:
@@ -146,6 +165,7 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         if isinstance(obj, torch.Tensor):
             key = (name, counter[0])
             counter[0] += 1
+            counter[1] += obj.numel() * obj.element_size()
             return self._copy(obj, key)
         if isinstance(obj, dict):
             return type(obj)((k, self._to_host(v, name, counter)) for k, v in obj.items())
@@ -202,19 +222,71 @@ class SnapshotCheckpointEngine(CheckpointEngine):
                 if kind == "stop":
                     return
                 if kind == "write":
-                    _atomic_save(a, b)
-                elif kind == "commit" and self.on_durable is not None:
-                    self.on_durable(a, b)
+                    self._write(a, b)
+                elif kind == "commit":
+                    self._commit(a, *b)
             except BaseException as e:  # surfaced on the next save or at close
                 self._error = e
             finally:
                 self._jobs.task_done()
 
 
+    def _write(self, snapshot: Any, path: str) -> None:
+        tag = _tag_of(path)
+        if tag in self._full:
+            return  # this save is abandoned already: its other files need no space
+        try:
+            _atomic_save(snapshot, path)
+        except BaseException as e:
+            if not is_disk_full(e):
+                raise
+            self._full[tag] = e
+
+    def _commit(self, tag: str, paths: list[str], needed: int) -> None:
+        error = self._full.pop(_tag_of(paths[0]) if paths else tag, None)
+        if error is None:
+            if self.on_durable is not None:
+                self.on_durable(tag, paths)
+            return
+        _discard(paths)
+        where = os.path.dirname(paths[0])
+        short = shortage(where, needed)  # measured after the partial files went
+        if self.on_failed is None:
+            raise RuntimeError(short.message(f"checkpoint {tag}")) from error
+        self.on_failed(tag, paths, short, str(error))
+
+
+def _tag_of(path: str) -> str:
+    """`<local_dir>/<tag>/<file>` -> the tag folder (DeepSpeed writes a tag's files there)."""
+    return os.path.dirname(os.path.abspath(path))
+
+
+def _tmp_name(path: str) -> str:
+    return f"{path}.tmp{os.getpid()}"
+
+
 def _atomic_save(obj: Any, path: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as fh:
-        torch.save(obj, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    tmp = _tmp_name(path)
+    try:
+        with open(tmp, "wb") as fh:
+            torch.save(obj, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)  # a partial file would only take space
+        raise
+
+
+def _discard(paths: list[str]) -> None:
+    """Removes every file of an abandoned save (and its folder, once empty)."""
+    folders = set()
+    for path in paths:
+        for p in (path, _tmp_name(path)):
+            Path(p).unlink(missing_ok=True)
+        folders.add(os.path.dirname(path))
+    for folder in folders:
+        try:
+            os.rmdir(folder)
+        except OSError:
+            pass  # not empty (another rank's files, on a shared disk) or gone

@@ -66,7 +66,9 @@ def record_to_event(rec: dict[str, Any]) -> dict[str, Any] | None:
         ev["message"] = f"checkpoint step {ev['step']} {rec.get('phase', '')}"
         if rec.get("phase") in PROBLEM_PHASES:  # the whole truth, not only a phase name
             ev["cause"] = str(rec.get("cause") or rec.get("phase"))
-            ev["message"] = PROBLEM_PHASES[rec["phase"]].format(
+            template = PROBLEM_PHASES.get(f"{rec['phase']}:{rec.get('cause')}",
+                                          PROBLEM_PHASES[rec["phase"]])
+            ev["message"] = template.format(
                 step=ev["step"], cause=ev["cause"], detail=rec.get("detail", ""))
     elif kind == "start":
         ev["message"] = (f"rank {ev['rank']} started (restart {ev['restart']}, world "
@@ -101,6 +103,9 @@ PROBLEM_PHASES = {
     "skipped": "checkpoint step {step} skipped by the restore ({cause}): {detail}",
     "abandoned": "checkpoint step {step} abandoned, never to be committed: {detail}",
     "failed": "checkpoint step {step}: upload or commit failed, retried later: {detail}",
+    # a save the local disk had no room for (checkpoints/snapshot.py): dropped, not retried
+    "failed:disk_full": "checkpoint step {step} failed and was dropped (training goes on, the "
+                        "next save tries again): {detail}",
     "cleanup_failed": "cleanup failed at checkpoint step {step} ({cause}; no checkpoint's "
                       "state changed): {detail}",
 }

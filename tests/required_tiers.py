@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-REQUIRED_TIERS = ("rgw", "promtool")
+REQUIRED_TIERS = ("rgw", "promtool", "tmpfs")  # tmpfs: the disk-full tests (fixtures/tmpfs.py)
 RGW_FIXTURE = "rgw_cluster"  # every RGW fixture depends on it (tests/fixtures/rgw.py)
 
 

@@ -1,0 +1,96 @@
+"""A full disk fails a save, never training, and never removes an older checkpoint (issue 19,
+goal 4): the checkpoint writer, the file store and the worker's reports on a real, small
+tmpfs that the test fills."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from ds3d.checkpoints.disk_space import Shortage, free_bytes, is_disk_full
+from ds3d.checkpoints.file_storage import FileStorage
+from ds3d.checkpoints.snapshot import SnapshotCheckpointEngine
+from ds3d.trainer.errors import StorageError
+
+pytest_plugins = ["fixtures.tmpfs"]
+pytestmark = pytest.mark.tmpfs
+
+
+class _Info:
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+
+
+def _save(engine: SnapshotCheckpointEngine, folder: Path, tag: str, mib: int) -> list[str]:
+    (folder / tag).mkdir(parents=True, exist_ok=True)
+    engine.create(_Info(tag))  # type: ignore[arg-type]
+    paths = []
+    for i in range(2):
+        path = str(folder / tag / f"part{i}.pt")
+        engine.save({"w": torch.ones(mib << 18)}, path)  # mib MiB of fp32
+        paths.append(path)
+    engine.commit(_Info(tag))  # type: ignore[arg-type]
+    engine.wait()
+    return paths
+
+
+def test_a_save_that_does_not_fit_is_dropped_and_reported(small_tmpfs, fill_disk) -> None:
+    disk = small_tmpfs(16 << 20)
+    durable: list[str] = []
+    failed: list[tuple[str, list[str], Shortage, str]] = []
+    engine = SnapshotCheckpointEngine(on_durable=lambda tag, paths: durable.append(tag),
+                                      on_failed=lambda *a: failed.append(a))
+    good = _save(engine, disk, "global_step10", 2)  # 4 MiB: fits
+    assert durable == ["global_step10"] and not failed
+    before = {p: Path(p).read_bytes() for p in good}
+    filler = fill_disk(disk, leave=3 << 20)  # room for one 2 MiB file, not for two
+    paths = _save(engine, disk, "global_step20", 2)
+    assert durable == ["global_step10"]
+    [(tag, got_paths, short, error)] = failed
+    assert tag == "global_step20" and got_paths == paths
+    assert short.needed >= 4 << 20 and short.free == free_bytes(disk)
+    assert short.free < short.needed and short.path == str(disk / "global_step20")
+    assert "No space left" in error or "unexpected pos" in error
+    # nothing of the failed save is left, temp files included; the older save is untouched
+    assert not (disk / "global_step20").exists()
+    assert {p: Path(p).read_bytes() for p in good} == before
+    # the next save works once there is room again (and the engine raised nothing)
+    filler.unlink()
+    _save(engine, disk, "global_step30", 2)
+    assert durable == ["global_step10", "global_step30"]
+    engine.close()
+
+
+def test_file_store_full_names_path_free_and_needed_and_leaves_no_temp(
+        small_tmpfs, fill_disk, tmp_path: Path) -> None:
+    disk = small_tmpfs(4 << 20)
+    store = FileStorage(disk / "store")
+    local = tmp_path / "shard.pt"  # another file system: the store must copy
+    local.write_bytes(os.urandom(2 << 20))
+    fill_disk(disk, leave=1 << 20)
+    with pytest.raises(StorageError) as err:
+        store.put_file(local, "ckpt/step-1/files/shard.pt")
+    text = str(err.value)
+    assert str(disk / "store" / "ckpt" / "step-1" / "files" / "shard.pt") in text
+    assert f"({2 << 20} bytes) needed" in text and "free (" in text
+    assert is_disk_full(err.value)
+    assert [p.name for p in (disk / "store").rglob("*") if p.is_file()] == []
+
+
+def test_disk_full_is_recognised_in_its_shapes() -> None:
+    assert is_disk_full(OSError(28, "No space left on device"))
+    import sqlite3
+    assert is_disk_full(sqlite3.OperationalError("database or disk is full"))
+    try:
+        try:
+            raise OSError(28, "No space left on device")
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] unexpected pos")  # noqa: B904
+    except RuntimeError as e:
+        assert is_disk_full(e)
+    assert not is_disk_full(OSError(5, "Input/output error"))
+    assert not is_disk_full(json.JSONDecodeError("x", "", 0))
