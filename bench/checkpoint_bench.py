@@ -102,8 +102,9 @@ def bench_model(name: str, sets: list[str], work: Path, endpoint: str, repeats: 
         step_fn.run(step)
         step += 1
         # baseline: DeepSpeed's own synchronous save (its default checkpoint engine)
-        from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import \
-            TorchCheckpointEngine
+        from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import (
+            TorchCheckpointEngine,
+        )
         engine.checkpoint_engine = TorchCheckpointEngine()
         t0 = time.perf_counter()
         engine.save_checkpoint(str(work / f"{name}-sync"), tag=f"sync{i}", save_latest=False)

@@ -127,8 +127,9 @@ def summarize_steps(times: list[float], cfg, peak: float | None) -> dict:
 
 def engine_stack(args, extra=None):
     """dist + layout + DeepSpeed engine for one process (NCCL on GPU, gloo on CPU)."""
-    import torch
     from datetime import timedelta
+
+    import torch
 
     from ds3d.trainer.engine import TrainStep
     from ds3d.trainer.layout import ParallelLayout, ProcessEnv, init_distributed, pick_device
@@ -624,8 +625,8 @@ def main() -> None:
     report: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "quick": args.quick,
                     "command": " ".join(sys.argv), "sections": {}}
     try:
-        import torch
         import deepspeed
+        import torch
 
         report.update(torch=torch.__version__, deepspeed=deepspeed.__version__,
                       gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None)

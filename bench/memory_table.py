@@ -19,6 +19,7 @@ def main() -> None:
     ap.add_argument("results")
     args = ap.parse_args()
     import gpu_bench
+
     from ds3d.trainer.config import build_job_config
     from ds3d.trainer.memory_model import GiB, estimate
 

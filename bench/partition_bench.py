@@ -109,7 +109,7 @@ def analyse(run_dir: Path, nproc: int) -> dict[str, Any]:
 
 def bench_pp(pp: int, steps: int, micro_batches: int, root: Path) -> dict[str, Any]:
     from ds3d.trainer.config import build_job_config
-    from ds3d.trainer.partition import (LayerCost, MemoryModel, method_boundaries, predict)
+    from ds3d.trainer.partition import LayerCost, MemoryModel, method_boundaries, predict
 
     sets = MODEL + [f"model.vocab_size={VOCAB.get(pp, 8192)}", f"parallel.pp={pp}",
                     f"train.global_batch_size={micro_batches}", f"train.steps={steps}"]

@@ -89,7 +89,7 @@ class Manifest(_Model):
         return self.model_dump_json(indent=1).encode()
 
     @classmethod
-    def from_json(cls, data: bytes | str) -> "Manifest":
+    def from_json(cls, data: bytes | str) -> Manifest:
         return cls.model_validate_json(data)
 
 

@@ -63,7 +63,6 @@ import structlog
 from boto3.exceptions import S3UploadFailedError
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
-from botocore.exceptions import ConnectionError as BotoConnectionError
 from botocore.exceptions import (
     BotoCoreError,
     ClientError,
@@ -73,6 +72,7 @@ from botocore.exceptions import (
     NoCredentialsError,
     PartialCredentialsError,
 )
+from botocore.exceptions import ConnectionError as BotoConnectionError
 from s3transfer.exceptions import RetriesExceededError
 
 from ds3d.trainer.errors import (
@@ -394,7 +394,7 @@ class S3Storage:
         self._local = threading.local()
 
     @classmethod
-    def from_url(cls, url: str, **options: Any) -> "S3Storage":
+    def from_url(cls, url: str, **options: Any) -> S3Storage:
         """`s3://bucket/prefix`; options not given are taken from `ENV_OPTIONS`, then defaults."""
         parsed = urlparse(url)
         if parsed.scheme != "s3" or not parsed.netloc:

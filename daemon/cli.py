@@ -379,7 +379,7 @@ def tensorboard_text(j: pb.JobStatus, rank0_host: str) -> str:
     return "\n".join(lines)
 
 
-def _newest_event(client: "Client", job: str, kind: str) -> pb.Event | None:
+def _newest_event(client: Client, job: str, kind: str) -> pb.Event | None:
     newest = None
     for e in client.stream("WatchEvents", pb.WatchEventsRequest(name=job, kinds=[kind])):
         newest = e

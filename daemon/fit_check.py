@@ -17,8 +17,7 @@ import psutil
 
 from ds3d.trainer.config import JobConfig
 from ds3d.trainer.errors import ConfigError
-from ds3d.trainer.memory_model import (NodeResources, breakdown, estimate, problems,
-                                       smallest_fitting)
+from ds3d.trainer.memory_model import NodeResources, breakdown, estimate, problems, smallest_fitting
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(GB|GiB|MB|MiB|B)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "mb": 10**6, "mib": 1 << 20, "gb": 10**9, "gib": 1 << 30}

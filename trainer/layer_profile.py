@@ -46,9 +46,19 @@ import torch.distributed as dist
 from torch import nn
 
 from .config import JobConfig
-from .partition import (CALIBRATION_STEPS, MemoryModel, Proposal, bytes_per_param,
-                        check_runnable, costs_json, layer_names, merge_profile_records, propose,
-                        write_layer_costs, write_partition_file)
+from .partition import (
+    CALIBRATION_STEPS,
+    MemoryModel,
+    Proposal,
+    bytes_per_param,
+    check_runnable,
+    costs_json,
+    layer_names,
+    merge_profile_records,
+    propose,
+    write_layer_costs,
+    write_partition_file,
+)
 
 Mark = Any  # float seconds (CPU) or torch.cuda.Event
 

@@ -30,7 +30,7 @@ class ProcessEnv:
     run_id: str
 
     @classmethod
-    def from_env(cls) -> "ProcessEnv":
+    def from_env(cls) -> ProcessEnv:
         return cls(rank=int(os.environ.get("RANK", 0)),
                    world_size=int(os.environ.get("WORLD_SIZE", 1)),
                    local_rank=int(os.environ.get("LOCAL_RANK", 0)),
@@ -61,8 +61,10 @@ class ParallelLayout:
     """The topology, the process groups built from it, and this rank's coordinates."""
 
     def __init__(self, cfg: JobConfig, env: ProcessEnv) -> None:
-        from deepspeed.runtime.pipe.topology import (PipelineParallelGrid,
-                                                     PipeModelDataParallelTopology)
+        from deepspeed.runtime.pipe.topology import (
+            PipelineParallelGrid,
+            PipeModelDataParallelTopology,
+        )
 
         p = cfg.parallel
         validate_job(cfg, world_size=env.world_size)

@@ -24,14 +24,14 @@ from ds3d.checkpoints.engine_io import CheckpointManager, Rank
 from .checkpoint_interval import AutoInterval
 from .config import JobConfig
 from .data import batch_index
-from .faults import FaultInjector, RollbackBudget, SpikeDetector
-from .tensorboard import TensorBoardLog
 from .engine import StepResult, TrainStep
+from .faults import FaultInjector, RollbackBudget, SpikeDetector
 from .layer_profile import PartitionTuner
 from .layout import ParallelLayout, ProcessEnv
 from .partition import current_partition
 from .process_age import process_started_at
 from .report import Reporter
+from .tensorboard import TensorBoardLog
 
 log = structlog.get_logger()
 

@@ -108,12 +108,12 @@ class NodeResources:
     source: str = "measured"  # or "reported by --report-gpu-memory"
 
 
-def layout_of(cfg: "JobConfig") -> Layout:
+def layout_of(cfg: JobConfig) -> Layout:
     p = cfg.parallel
     return Layout(p.tp, p.pp, p.dp, p.zero_stage, p.activation_checkpoint_interval)
 
 
-def _stage_params(cfg: "JobConfig", layout: Layout) -> list[tuple[int, int, bool, bool]]:
+def _stage_params(cfg: JobConfig, layout: Layout) -> list[tuple[int, int, bool, bool]]:
     """(parameters, blocks, has embedding, has head) per stage, boundaries as the trainer
     computes them (partition.py)."""
     from .partition import layer_param_counts, stage_boundaries
@@ -131,7 +131,7 @@ def _stage_params(cfg: "JobConfig", layout: Layout) -> list[tuple[int, int, bool
     return out
 
 
-def with_layout(cfg: "JobConfig", layout: Layout) -> "JobConfig":
+def with_layout(cfg: JobConfig, layout: Layout) -> JobConfig:
     """The job at another layout (the partition by parameters, the global batch kept)."""
     p = cfg.parallel.model_copy(update={
         "tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "zero_stage": layout.zero_stage,
@@ -141,7 +141,7 @@ def with_layout(cfg: "JobConfig", layout: Layout) -> "JobConfig":
     return cfg.model_copy(update={"parallel": p})
 
 
-def estimate(cfg: "JobConfig", layout: Layout | None = None) -> JobMemory:
+def estimate(cfg: JobConfig, layout: Layout | None = None) -> JobMemory:
     """Predicted peak bytes of every stage's rank of `cfg` at `layout` (default: its own)."""
     layout = layout or layout_of(cfg)
     m, t = cfg.model, cfg.train
@@ -236,7 +236,7 @@ def problems(est: JobMemory, node: NodeResources, ranks_per_node: int) -> list[s
     return out
 
 
-def candidate_layouts(cfg: "JobConfig", max_gpus: int = 4096) -> list[Layout]:
+def candidate_layouts(cfg: JobConfig, max_gpus: int = 4096) -> list[Layout]:
     """Layouts the job could run at, in the order the search prefers them: fewest GPUs, then
     no activation checkpointing, then less TP (communication), less PP (bubble), lower ZeRO."""
     from .config import validate_job
@@ -266,7 +266,7 @@ def candidate_layouts(cfg: "JobConfig", max_gpus: int = 4096) -> list[Layout]:
     return out
 
 
-def _trial_config(cfg: "JobConfig", layout: Layout) -> "JobConfig":
+def _trial_config(cfg: JobConfig, layout: Layout) -> JobConfig:
     trial = with_layout(cfg, layout)
     launch = trial.launch.model_copy(update={"nnodes": 1, "nproc_per_node": layout.gpus,
                                              "min_nodes": None, "hosts": []})
@@ -277,7 +277,7 @@ def _trial_config(cfg: "JobConfig", layout: Layout) -> "JobConfig":
         update={"grad_accum_steps": None})})
 
 
-def smallest_fitting(cfg: "JobConfig", node: NodeResources) -> tuple[Layout, JobMemory] | None:
+def smallest_fitting(cfg: JobConfig, node: NodeResources) -> tuple[Layout, JobMemory] | None:
     """The first layout of `candidate_layouts` whose every rank fits a GPU of `node` and whose
     ranks on one node fit its host memory (as many ranks per node as it has GPUs)."""
     for layout in candidate_layouts(cfg):

@@ -20,8 +20,13 @@ from torch import nn
 from .config import JobConfig, ModelConfig
 from .kernels import rotary_qkv
 from .partition import layer_param_counts, stage_boundaries  # noqa: F401 (re-exported)
-from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TPGroup,
-                              VocabParallelEmbedding, vocab_parallel_cross_entropy)
+from .tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TPGroup,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
 
 
 def param_seed(base: int, layer: int, slot: int) -> int:

@@ -79,7 +79,7 @@ class CgroupMemory:
         self.root, self.version = Path(root), version
 
     @classmethod
-    def of_self(cls) -> "CgroupMemory | None":
+    def of_self(cls) -> CgroupMemory | None:
         try:
             found = _cgroup_dir(Path("/proc/self/cgroup").read_text())
         except OSError:

@@ -25,6 +25,7 @@ def test_bf16_learns_real_text_with_nccl_and_tracks_fp32(tmp_path):
     close to the fp32 run of the same data and seeds: a broken bf16 path (wrong dtype casts,
     loss scaling where none belongs) diverges from fp32 within a few steps."""
     from ds3d.trainer.data import encode_text
+
     from support import REPO
 
     data = tmp_path / "text.bin"

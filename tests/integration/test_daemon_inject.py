@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+
 from test_daemon_support import DaemonProc, kill_job_processes, pb, tiny_job_json
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

@@ -12,6 +12,7 @@ import time
 
 import psutil
 import pytest
+
 from test_daemon_support import DaemonProc
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]

@@ -128,7 +128,7 @@ class DaemonProc:
         self.proc: subprocess.Popen[str] | None = None
         self.addr = ""
 
-    def start(self, timeout_s: float = 30.0) -> "DaemonProc":
+    def start(self, timeout_s: float = 30.0) -> DaemonProc:
         addr_file = self.state_dir / "ds3dd.addr"
         addr_file.unlink(missing_ok=True)
         self.proc = subprocess.Popen(self.argv, env=self.env, stdout=subprocess.PIPE,
@@ -149,7 +149,7 @@ class DaemonProc:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(10)
 
-    def __enter__(self) -> "DaemonProc":
+    def __enter__(self) -> DaemonProc:
         return self.start()
 
     def __exit__(self, *exc) -> None:

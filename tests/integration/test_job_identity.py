@@ -16,6 +16,7 @@ import pytest
 from ds3d.checkpoints import layout
 from ds3d.checkpoints.identity import read_owner
 from ds3d.checkpoints.storage import Storage, open_storage
+
 from support import records, worker_env
 from test_daemon_support import DaemonProc, kill_job_processes, pb, tiny_job_json
 

@@ -1,11 +1,11 @@
 """The tiny model learns real text (byte-level tokens of a public-domain text shipped in
 trainer/assets)."""
 
-from pathlib import Path
 
 import pytest
 
 from ds3d.trainer.data import encode_text
+
 from support import REPO, losses, torchrun
 
 

@@ -22,11 +22,12 @@ import json
 import re
 
 import pytest
-from support import losses, records, torchrun
-from test_daemon_support import DaemonProc
 
 from ds3d.trainer.config import build_job_config
 from ds3d.trainer.partition import method_boundaries, write_partition_file
+
+from support import losses, records, torchrun
+from test_daemon_support import DaemonProc
 
 pytestmark = [pytest.mark.slow]
 

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from support import losses, records, torchrun
 from test_daemon_support import DaemonProc, kill_job_processes, new_token, pb, worker_procs
 

@@ -21,9 +21,9 @@ from ds3d.checkpoints import layout
 from ds3d.checkpoints.catalog import Catalog, CkptState
 from ds3d.checkpoints.s3_storage import S3Storage, UploadJournal
 from ds3d.checkpoints.storage import open_storage
-from ds3d.checkpoints.upload import (Uploader, multipart_journal_path, read_marker,
-                                     upload_rank_files)
+from ds3d.checkpoints.upload import Uploader, multipart_journal_path, read_marker, upload_rank_files
 from ds3d.trainer.errors import ConfigError, TransientStorageError
+
 from fixtures.ckpt import meta_for, write_fake_checkpoint
 
 pytest_plugins = ["fixtures.s3", "fixtures.rgw"]

@@ -29,6 +29,7 @@ import pytest
 from ds3d.checkpoints import layout
 from ds3d.checkpoints.catalog import Catalog, CkptState
 from ds3d.checkpoints.upload import read_marker
+
 from support import losses, records, torchrun
 
 pytest_plugins = ["fixtures.s3", "fixtures.rgw"]

@@ -18,13 +18,14 @@ from ds3d.checkpoints.file_storage import FileStorage
 from ds3d.checkpoints.manifest import Manifest
 from ds3d.checkpoints.storage import Storage
 from ds3d.checkpoints.upload import (
-    UploadEvent,
     Uploader,
+    UploadEvent,
     commit_checkpoint,
     read_marker,
     upload_rank_files,
 )
 from ds3d.trainer.errors import CheckpointError, StateError, TransientStorageError
+
 from fixtures.ckpt import meta_for, write_fake_checkpoint
 
 pytest_plugins = ["fixtures.s3"]

@@ -17,6 +17,7 @@ from ds3d.checkpoints import layout
 from ds3d.checkpoints.catalog import Catalog
 from ds3d.checkpoints.upload import commit_checkpoint, upload_rank_files
 from ds3d.trainer.errors import NotFoundError, PermissionError_, TransientStorageError
+
 from fixtures.ckpt import meta_for, write_fake_checkpoint
 
 pytest_plugins = ["fixtures.s3", "fixtures.rgw"]

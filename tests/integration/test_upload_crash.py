@@ -26,6 +26,7 @@ from ds3d.checkpoints.upload import (
     read_marker,
     upload_rank_files,
 )
+
 from fixtures.ckpt import meta_for, write_fake_checkpoint
 
 pytest_plugins = ["fixtures.s3"]

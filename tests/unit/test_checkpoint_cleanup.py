@@ -12,13 +12,14 @@ from ds3d.checkpoints.catalog import Catalog, CkptState
 from ds3d.checkpoints.identity import new_job_id
 from ds3d.checkpoints.storage import Storage, open_storage
 from ds3d.checkpoints.upload import (
-    UploadEvent,
     Uploader,
+    UploadEvent,
     commit_checkpoint,
     read_marker,
     upload_rank_files,
     write_marker,
 )
+
 from fixtures.ckpt import meta_for, write_fake_checkpoint
 
 JOB_ID = new_job_id()

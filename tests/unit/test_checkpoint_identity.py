@@ -20,6 +20,7 @@ from ds3d.checkpoints.identity import (
 )
 from ds3d.checkpoints.storage import Storage, join_url, open_storage
 from ds3d.checkpoints.upload import commit_checkpoint, upload_rank_files
+
 from fixtures.ckpt import meta_for, write_fake_checkpoint
 
 

@@ -15,6 +15,7 @@ from ds3d.daemon.ckpt_index import reconcile
 from ds3d.daemon.metrics import Metrics
 from ds3d.daemon.store import Store
 from ds3d.trainer.config import build_job_config
+
 from fixtures.ckpt import meta_for, write_fake_checkpoint
 
 

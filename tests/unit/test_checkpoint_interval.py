@@ -10,8 +10,7 @@ from ds3d.daemon.failure_history import FailureHistory
 from ds3d.daemon.reports import describe_interval
 from ds3d.daemon.states import JobState
 from ds3d.daemon.store import Store
-from ds3d.trainer.checkpoint_interval import (
-    FAILURES_FILE, AutoInterval, mtbf_estimate, young_daly)
+from ds3d.trainer.checkpoint_interval import FAILURES_FILE, AutoInterval, mtbf_estimate, young_daly
 from ds3d.trainer.config import build_job_config
 from ds3d.trainer.errors import ConfigError
 

@@ -20,6 +20,7 @@ from ds3d.checkpoints.manifest import (
     merge_parts,
     verify_local,
 )
+
 from fixtures.ckpt import meta_for, write_fake_checkpoint
 
 pytestmark = pytest.mark.timeout(60)

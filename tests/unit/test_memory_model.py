@@ -8,11 +8,17 @@ import sys
 
 import pytest
 
-from support import REPO
-
 from ds3d.trainer.config import build_job_config
-from ds3d.trainer.memory_model import (GiB, Layout, NodeResources, estimate, problems,
-                                       smallest_fitting)
+from ds3d.trainer.memory_model import (
+    GiB,
+    Layout,
+    NodeResources,
+    estimate,
+    problems,
+    smallest_fitting,
+)
+
+from support import REPO
 
 sys.path.insert(0, str(REPO / "bench"))
 

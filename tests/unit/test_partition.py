@@ -14,9 +14,23 @@ import pytest
 
 from ds3d.trainer.config import build_job_config
 from ds3d.trainer.partition import (
-    LayerCost, MemoryModel, PartitionError, best_partition, check_boundaries, current_partition,
-    deepspeed_balanced, in_flight, layer_param_counts, merge_profile_records, method_boundaries,
-    predict, propose, read_partition_file, stage_boundaries, write_partition_file)
+    LayerCost,
+    MemoryModel,
+    PartitionError,
+    best_partition,
+    check_boundaries,
+    current_partition,
+    deepspeed_balanced,
+    in_flight,
+    layer_param_counts,
+    merge_profile_records,
+    method_boundaries,
+    predict,
+    propose,
+    read_partition_file,
+    stage_boundaries,
+    write_partition_file,
+)
 
 
 def _splits(n: int, p: int):

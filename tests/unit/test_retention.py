@@ -12,6 +12,7 @@ from ds3d.checkpoints.catalog import Catalog, CkptState
 from ds3d.checkpoints.file_storage import FileStorage
 from ds3d.checkpoints.retention import plan_retention
 from ds3d.checkpoints.upload import commit_checkpoint, upload_rank_files
+
 from fixtures.ckpt import meta_for, write_fake_checkpoint
 
 pytestmark = pytest.mark.timeout(60)

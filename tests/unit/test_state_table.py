@@ -2,8 +2,16 @@
 
 import pytest
 
-from ds3d.daemon.states import (ACTION_STATES, LIVE, TERMINAL, TRANSITIONS, JobState,
-                                can_transition, check_action, check_transition)
+from ds3d.daemon.states import (
+    ACTION_STATES,
+    LIVE,
+    TERMINAL,
+    TRANSITIONS,
+    JobState,
+    can_transition,
+    check_action,
+    check_transition,
+)
 from ds3d.trainer.errors import StateError
 
 pytestmark = pytest.mark.timeout(10)

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from ds3d.checkpoints import upload
+from ds3d.checkpoints import layout, upload
 from ds3d.checkpoints.catalog import Catalog, CkptState
 from ds3d.checkpoints.file_storage import FileStorage
 from ds3d.checkpoints.upload import Uploader, read_marker, upload_rank_files, write_marker
-from ds3d.checkpoints import layout
+
 from fixtures.ckpt import meta_for, write_fake_checkpoint
 
 
