@@ -276,6 +276,7 @@ def _fake_engine(costs, loss_s=0.0, hook_cost_s=0.0):
     return Engine()
 
 
+@pytest.mark.timing  # sleeps measured against bounds: not beside another test
 def test_layer_profiler_measures_known_costs():
     import torch
 
@@ -303,6 +304,7 @@ def test_layer_profiler_measures_known_costs():
         assert rows[3 + i]["activation_bytes"] > 0
 
 
+@pytest.mark.timing  # sleeps measured against bounds: not beside another test
 def test_layer_profile_is_calibrated_by_unhooked_steps():
     import torch
 
