@@ -32,7 +32,8 @@ def generate_stubs() -> list[Path]:
     include = str(Path(grpc_tools.__file__).parent / "_proto")
     args = [
         "grpc_tools.protoc",
-        *[f"--plugin={name}={_plugin(name)}" for name in ("protoc-gen-mypy", "protoc-gen-mypy_grpc")],
+        *[f"--plugin={name}={_plugin(name)}"
+          for name in ("protoc-gen-mypy", "protoc-gen-mypy_grpc")],
         f"--proto_path={PROTO_ROOT}",
         f"--proto_path={include}",
         f"--python_out={PROTO_ROOT}",

@@ -279,7 +279,7 @@ def _longest_step_gap(recs: list[dict], skip: tuple[float, float] | None = None)
     """The longest time between two consecutive rank-0 steps (the one spanning `skip`, the
     recovery, left out): a stall of the machine shows here, not only in goodput."""
     times = [r["time"] for r in recs if r["kind"] == "step"]
-    gaps = [b - a for a, b in zip(times, times[1:])
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)
             if skip is None or not (a <= skip[0] and b >= skip[1])]
     return max(gaps, default=0.0)
 

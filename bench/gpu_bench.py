@@ -19,8 +19,9 @@ Sections:
                 ZeRO-1, bf16, without ds3d's loop (no reports, no per-step agreement, no faults)
   deepspeed_unfused  the same with DS3D_FUSED_KERNELS=0 (eager rotary and cross-entropy)
   deepspeed_compile  the same with train.compile = true
-  deepspeed_compile_deepspeed_clip  the same with DeepSpeed's own gradient clip
-                (DS3D_DEEPSPEED_CLIP=1: a host sync mid-step, see engine.clip_without_host_sync)
+  deepspeed_stock_bf16, deepspeed_compile_stock_bf16
+                the same with DeepSpeed's own BF16_Optimizer paths (DS3D_DEEPSPEED_BF16=stock;
+                ds3d's replacements: trainer/bf16_fastpath.py)
   memory_<name> peak GPU memory of a few steps of one configuration (MEMORY_CONFIGS), against
                 trainer/memory_model.py's prediction
   ds3d          ds3d's whole worker loop (Trainer.run): reports, fault checks, command polling
@@ -52,7 +53,7 @@ REPO = Path(__file__).resolve().parents[1]
 SECTIONS = ["peak", "minimal", "minimal_compile", "deepspeed", "deepspeed_compile", "ds3d",
             "ds3d_compile"]
 OPTIONAL = ["minimal_unfused_adam", "minimal_math_attention", "deepspeed_unfused",
-            "deepspeed_compile_deepspeed_clip", "profile",
+            "deepspeed_stock_bf16", "deepspeed_compile_stock_bf16", "profile",
             "checkpoint", "restore"]
 # (name, --set overrides of the bench job): sizes, micro-batches, checkpointing and ZeRO stages
 MEMORY_CONFIGS = {
@@ -369,7 +370,8 @@ def sec_ds3d(args, compile_: bool = False) -> dict:
     from ds3d.trainer.loop import Trainer
     from ds3d.trainer.report import report_path
 
-    extra = [f"train.steps={args.warmup + args.steps}"] + (["train.compile=true"] if compile_ else [])
+    extra = [f"train.steps={args.warmup + args.steps}"]
+    extra += ["train.compile=true"] if compile_ else []
     cfg, device, layout, _ = engine_stack(args, extra)
     run_dir = Path(tempfile.mkdtemp(prefix="ds3d-bench-"))
     trainer = Trainer(cfg, run_dir, ProcessEnv.from_env(), layout, device)
@@ -379,7 +381,7 @@ def sec_ds3d(args, compile_: bool = False) -> dict:
     recs = [json.loads(line) for line in report_path(run_dir, 0).read_text().splitlines()]
     stamps = [r["time"] for r in recs if r["kind"] == "step"]
     start = next(r["time"] for r in recs if r["kind"] == "start")
-    deltas = [b - a for a, b in zip(stamps, stamps[1:])][args.warmup - 1:]
+    deltas = [b - a for a, b in zip(stamps, stamps[1:], strict=False)][args.warmup - 1:]
     out = summarize_steps(deltas, cfg, args.peak)
     out["first_step_s"] = stamps[0] - start
     out["final_loss"] = next(r["loss"] for r in reversed(recs) if r["kind"] == "step")
@@ -580,15 +582,16 @@ def run_section(name: str, args) -> dict:
         return sec_memory(args, name[len("memory_"):])
     if name == "deepspeed_unfused":
         os.environ["DS3D_FUSED_KERNELS"] = "0"
-    if name == "deepspeed_compile_deepspeed_clip":  # DeepSpeed's own clip (a host sync)
-        os.environ["DS3D_DEEPSPEED_CLIP"] = "1"
+    if name.endswith("_stock_bf16"):  # DeepSpeed's own BF16_Optimizer paths
+        os.environ["DS3D_DEEPSPEED_BF16"] = "stock"
     fn = {"peak": sec_peak, "minimal": sec_minimal,
           "minimal_unfused_adam": lambda a: sec_minimal(a, fused_adam=False),
           "minimal_math_attention": lambda a: sec_minimal(a, attention="math"),
           "minimal_compile": lambda a: sec_minimal(a, compile_=True),
           "deepspeed": sec_deepspeed, "deepspeed_unfused": sec_deepspeed,
           "deepspeed_compile": lambda a: sec_deepspeed(a, compile_=True),
-          "deepspeed_compile_deepspeed_clip": lambda a: sec_deepspeed(a, compile_=True),
+          "deepspeed_stock_bf16": sec_deepspeed,
+          "deepspeed_compile_stock_bf16": lambda a: sec_deepspeed(a, compile_=True),
           "ds3d": sec_ds3d,
           "ds3d_compile": lambda a: sec_ds3d(a, compile_=True),
           "profile": sec_profile, "checkpoint": sec_checkpoint, "restore": sec_restore}[name]
@@ -679,7 +682,7 @@ def run_child(cmd: list[str], env: dict, timeout_s: float) -> dict:
     proc.wait()
     timer.cancel()
     reader.join(timeout=5)
-    lines = [l for l in stdout.splitlines() if l.startswith("RESULT ")]
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
     if lines:
         return json.loads(lines[-1][7:])
     return {"error": f"exit {proc.returncode}" + (" (section timeout)" if proc.returncode == -9
@@ -694,16 +697,18 @@ def progress(what: str, **numbers) -> None:
 
 def print_table(report: dict) -> None:
     s = report["sections"]
-    print("\nsetup            s/step   tokens/s   MFU(989)  MFU(meas.)  first step s")
+    print("\nsetup                         s/step   tokens/s   MFU(989)  MFU(meas.)  first step s")
     for name in ("minimal", "minimal_unfused_adam", "minimal_math_attention", "minimal_compile",
-                 "deepspeed_unfused", "deepspeed", "deepspeed_compile", "ds3d", "ds3d_compile"):
+                 "deepspeed_unfused", "deepspeed_stock_bf16", "deepspeed",
+                 "deepspeed_compile_stock_bf16", "deepspeed_compile", "ds3d", "ds3d_compile"):
         r = s.get(name, {})
         if "step_s" in r:
-            print(f"{name:15} {r['step_s']:7.4f} {r['tokens_per_s']:10.0f} "
+            print(f"{name:28} {r['step_s']:7.4f} {r['tokens_per_s']:10.0f} "
                   f"{r['mfu_datasheet']:9.1%} {r.get('mfu_measured_peak', 0):10.1%} "
                   f"{r.get('first_step_s', 0):12.1f}")
     if "step_s" in s.get("ds3d", {}) and "step_s" in s.get("deepspeed", {}):
-        print(f"ds3d / plain DeepSpeed step time: {s['ds3d']['step_s'] / s['deepspeed']['step_s']:.4f}")
+        ratio = s['ds3d']['step_s'] / s['deepspeed']['step_s']
+        print(f"ds3d / plain DeepSpeed step time: {ratio:.4f}")
     mem = {k[len("memory_"):]: v for k, v in s.items() if k.startswith("memory_")}
     if mem:
         print("\nmemory config      predicted GiB  max allocated  max reserved  error vs reserved")

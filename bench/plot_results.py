@@ -33,7 +33,7 @@ def gpu_throughput() -> None:
     fig, ax = plt.subplots(figsize=(7, 3.2))
     labels = [r[0] for r in rows]
     mfu = [100 * r[1]["mfu_datasheet"] for r in rows]
-    colors = ["#1f77b4" if "ds3d" in l else "#aaaaaa" for l in labels]
+    colors = ["#1f77b4" if "ds3d" in label else "#aaaaaa" for label in labels]
     ax.barh(labels[::-1], mfu[::-1], color=colors[::-1])
     for i, v in enumerate(mfu[::-1]):
         ax.text(v + 0.5, i, f"{v:.1f}%", va="center", fontsize=8)

@@ -312,8 +312,8 @@ class Catalog:
                     self._skip(step, "incomplete", f"{entry.path}: missing in the store")
                     return None
                 if not _local_matches(tmp, entry, checksums=True):
-                    self._skip(step, "corrupt", f"{entry.path}: size or sha256 of the stored object "
-                          "differs from the manifest")
+                    self._skip(step, "corrupt", f"{entry.path}: size or sha256 of the stored "
+                               "object differs from the manifest")
                     return None
             for i, entry in enumerate(stale):
                 dest = self.local_dir / entry.path

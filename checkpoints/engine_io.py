@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import structlog
 import torch
@@ -36,7 +37,7 @@ from .reshape import check_reshapable, convert_to_universal, needs_reshape
 from .retention import cleanup_grace_s
 from .snapshot import SnapshotCheckpointEngine
 from .storage import Storage, job_store_url, open_storage
-from .upload import UploadEvent, Uploader
+from .upload import Uploader, UploadEvent
 
 log = structlog.get_logger("ds3d.checkpoints")
 

@@ -183,7 +183,8 @@ def commit_checkpoint(storage: Storage, step: int, world_size: int, meta: Checkp
     parts = []
     for r in sorted(want):
         try:
-            parts.append(PartManifest.model_validate_json(storage.get_bytes(layout.part_key(step, r))))
+            raw = storage.get_bytes(layout.part_key(step, r))
+            parts.append(PartManifest.model_validate_json(raw))
         except ValidationError as e:
             raise CheckpointError(f"step {step}: part of rank {r} is unreadable: {e}") from None
     try:
@@ -299,7 +300,8 @@ class Uploader:
             rec = read_marker(marker)
             if not rec or rec.get("meta") is None:
                 continue
-            done = rec["state"] == "committed" or (rec["state"] == "uploaded" and not self.committer)
+            done = rec["state"] == "committed" or (rec["state"] == "uploaded"
+                                                   and not self.committer)
             if not done:
                 self.submit(int(rec["step"]), list(rec["files"]),
                             CheckpointMeta.model_validate(rec["meta"]), resumed=True)
@@ -316,7 +318,8 @@ class Uploader:
             return sorted(self._failed)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Blocks until nothing is queued or in flight (failed ones may remain); False on timeout."""
+        """Blocks until nothing is queued or in flight (failed ones may remain); False on
+        timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._idle:
             while self._busy:

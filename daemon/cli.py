@@ -299,7 +299,8 @@ def split_text(sp: pb.StepSplit) -> str:
                      *(f"{getattr(st, k):.3f}" for k in _SPLIT_PARTS if k != "compute_s"),
                      _pct(b, sp.bubble_target), _pct(r, sp.reduce_to_forward_target)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    table = "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
+    table = "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+                      for row in rows)
     lines = [f"step-time split, seconds, sampled step {step} (slowest rank of each stage):", table]
     bubble, theory = _opt(sp, "bubble"), _opt(sp, "bubble_theoretical")
     if bubble is not None:
@@ -339,7 +340,8 @@ def job_table(jobs: Sequence[pb.JobStatus]) -> str:
                          j.stage_boundaries else ""),
                      j.message[:60]))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+                     for r in rows)
 
 
 def log_paths_text(j: pb.JobStatus) -> str:
@@ -569,10 +571,12 @@ def rebalance_text(job: str, r: pb.RebalanceResponse) -> str:
     rows = [head]
     for label, plan in (("current", r.current), ("proposed", r.proposed)):
         rows.append((label, "|".join(map(str, plan.boundaries)),
-                     " ".join(f"{s * 1e3:.1f}" for s in plan.stage_s), f"{plan.slowest_s * 1e3:.1f}",
+                     " ".join(f"{s * 1e3:.1f}" for s in plan.stage_s),
+                     f"{plan.slowest_s * 1e3:.1f}",
                      f"{plan.step_s * 1e3:.0f}", f"{plan.bubble:.1%}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    table = "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
+    table = "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+                      for row in rows)
     return (f"{job}: {p} pipeline stages, {r.micro_batches} micro-batches per step; layer costs "
             f"profiled at step {r.profile_step}\n{table}\n"
             f"slowest stage {-r.improvement:+.1%} (threshold {r.threshold:.0%})\n{r.message}")

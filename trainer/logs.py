@@ -21,13 +21,15 @@ def configure_logging(stream: TextIO | None = None, fmt: str | None = None,
     fmt = fmt or os.environ.get("DS3D_LOG_FORMAT") or ("console" if stream.isatty() else "json")
     renderer: Any = (structlog.processors.JSONRenderer() if fmt == "json"
                      else structlog.dev.ConsoleRenderer(colors=stream.isatty()))
-    lvl = getattr(logging, (level or os.environ.get("DS3D_LOG_LEVEL", "INFO")).upper(), logging.INFO)
+    name = (level or os.environ.get("DS3D_LOG_LEVEL", "INFO")).upper()
+    lvl = getattr(logging, name, logging.INFO)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.dict_tracebacks if fmt == "json" else structlog.processors.format_exc_info,
+            (structlog.processors.dict_tracebacks if fmt == "json"
+             else structlog.processors.format_exc_info),
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),

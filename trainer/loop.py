@@ -66,7 +66,8 @@ class CommandInbox:
 class Trainer:
     def __init__(self, cfg: JobConfig, run_dir: Path, env: ProcessEnv, layout: ParallelLayout,
                  device: torch.device, stop_at_step: int | None = None) -> None:
-        self.cfg, self.run_dir, self.env, self.layout, self.device = cfg, run_dir, env, layout, device
+        self.cfg, self.run_dir, self.env = cfg, run_dir, env
+        self.layout, self.device = layout, device
         self.reporter = Reporter(run_dir, env.rank, env.restart_count)
         self.inbox = CommandInbox(run_dir)
         self.stop_at_step = stop_at_step
@@ -98,7 +99,8 @@ class Trainer:
         if plan is not None:
             self._load(plan, rollback)
         self.ckpt.prepare(self.step_fn.engine)  # GPU: pin the snapshot memory while training
-        self.tb = TensorBoardLog(cfg, run_dir, device, env.world_size, self.step_fn.plan.global_batch,
+        self.tb = TensorBoardLog(cfg, run_dir, device, env.world_size,
+                                 self.step_fn.plan.global_batch,
                                  env.restart_count) if env.rank == 0 else None
         if self.tb is not None:
             self.tb.scalar("faults/restarts", env.restart_count, self.step)

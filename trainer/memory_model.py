@@ -124,7 +124,7 @@ def _stage_params(cfg: JobConfig, layout: Layout) -> list[tuple[int, int, bool, 
     bounds = stage_boundaries(cfg)
     last = len(counts) - 1
     out = []
-    for start, stop in zip(bounds, bounds[1:]):
+    for start, stop in zip(bounds, bounds[1:], strict=False):
         layers = range(start, stop)
         blocks = sum(1 for i in layers if 0 < i < last)
         out.append((sum(counts[i] for i in layers), blocks, 0 in layers, last in layers))
@@ -155,7 +155,7 @@ def estimate(cfg: JobConfig, layout: Layout | None = None) -> JobMemory:
     token_elems = mb * s * d  # one [micro-batch, seq, d_model] tensor
     per_block = elem * token_elems * (4 + (5 + 2 * f / d) / tp)
     ranks = []
-    for stage, (params, blocks, has_embed, has_head) in enumerate(_stage_params(cfg, layout)):
+    for stage, (params, blocks, _has_embed, has_head) in enumerate(_stage_params(cfg, layout)):
         P = math.ceil(params / tp)
         shard = P / dp if zero >= 1 else P
         gpu: dict[str, float] = {}

@@ -3,8 +3,9 @@
 
 Each block is pre-LayerNorm: x + Attn(LN(x)), then x + MLP(LN(x)); attention is causal
 `scaled_dot_product_attention` (flash / memory-efficient kernels on GPU) with rotary positions
-(applied with the QKV split in one fused kernel on GPU, see kernels.py); the MLP is GELU. QKV and FC1 are column-parallel, the attention output projection and FC2
-row-parallel, the embedding and the head vocabulary-parallel (see tensor_parallel.py).
+(applied with the QKV split in one fused kernel on GPU, see kernels.py); the MLP is GELU. QKV
+and FC1 are column-parallel, the attention output projection and FC2 row-parallel, the
+embedding and the head vocabulary-parallel (see tensor_parallel.py).
 The embedding and head are untied (see ModelConfig).
 """
 

@@ -32,7 +32,8 @@ from typing import Any
 from .config import JobConfig, ModelConfig
 from .fileio import atomic_write_text
 
-CALIBRATION_STEPS = 2  # unhooked steps of a profile window, timing each stage's total (layer_profile)
+# unhooked steps of a profile window, timing each stage's total (layer_profile)
+CALIBRATION_STEPS = 2
 
 PARTITION_FILE = "partition.json"
 PROFILE_DIR = "profile"
@@ -131,7 +132,7 @@ def check_boundaries(parts: Sequence[int], n_layers: int, stages: int) -> str | 
         return f"{len(parts)} boundaries for {stages} stages (need {stages + 1})"
     if parts[0] != 0 or parts[-1] != n_layers + 2:
         return f"boundaries must start at 0 and end at {n_layers + 2} (the layer count)"
-    if any(b <= a for a, b in zip(parts, parts[1:])):
+    if any(b <= a for a, b in zip(parts, parts[1:], strict=False)):
         return "every stage needs at least one layer (boundaries strictly increasing)"
     return None
 
@@ -396,11 +397,13 @@ def propose(costs: Sequence[LayerCost], current: Sequence[int], micro_batches: i
 # Profile records (one per rank: the layers of its stage) -> one cost per layer
 
 
-def merge_profile_records(records: Iterable[dict[str, Any]], n_layers: int) -> dict[str, Any] | None:
+def merge_profile_records(records: Iterable[dict[str, Any]],
+                          n_layers: int) -> dict[str, Any] | None:
     """Merges `profile` report records of every rank into one cost per layer: the median over
     the ranks that ran the layer in the newest profile round that measured it (a round = one
-    gathered profile, named by its `round`, rank 0's clock when it was gathered); older rounds fill layers a newer one lacks (costs belong to layers, not to
-    the partition they were measured in). None until every layer has been measured.
+    gathered profile, named by its `round`, rank 0's clock when it was gathered); older rounds
+    fill layers a newer one lacks (costs belong to layers, not to the partition they were
+    measured in). None until every layer has been measured.
 
     Returns {"layers": [LayerCost], "step", "micro_batches", "memory_limit_bytes",
     "bytes_per_param", "partition" (the one measured in the newest round)}."""

@@ -21,7 +21,7 @@ def test_rotary_qkv_matches_the_reference_forward_and_backward(b, s, h, hd):
     grads = [torch.randn(b, h, s, hd, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
     fused = kernels.rotary_qkv(qkv, 10000.0)
     ref64 = kernels.rotary_qkv_reference(qkv.detach().double().requires_grad_(), 10000.0)
-    for f, r in zip(fused, ref64):
+    for f, r in zip(fused, ref64, strict=True):
         assert f.shape == (b, h, s, hd) and f.is_contiguous()
         assert torch.isfinite(f).all()
         assert _rel(f, r) < 1e-2

@@ -121,7 +121,7 @@ def test_agent_killed_while_daemon_down_is_restarted(daemon):
     while psutil.pid_exists(agent_pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     daemon.start()
-    job = daemon.wait_for("orphan", lambda j: j["restarts"] == restarts_before + 1
+    daemon.wait_for("orphan", lambda j: j["restarts"] == restarts_before + 1
                           and j["state"] == "RUNNING", "relaunch from the checkpoint")
     causes = [e["cause"] for e in daemon.events("orphan") if e["kind"] == "fault"]
     assert causes == ["agent_exit"]

@@ -6,7 +6,8 @@ job on either daemon (B passes the request on to the head), and so do pause and 
 rank 0, which reads the commands, lands on either node, so the head copies command files to B.
 Paused and resumed, the job's losses equal a one-node torchrun of the same layout.
 
-Heavy: run serialised, `flock /tmp/ds3d-heavy.lock .venv/bin/pytest tests/integration/test_multinode*`."""
+Heavy: run serialised,
+`flock /tmp/ds3d-heavy.lock .venv/bin/pytest tests/integration/test_multinode*`."""
 
 from __future__ import annotations
 

@@ -30,7 +30,8 @@ BAD = {
     "zero3 with pipeline": (["parallel.zero_stage=3", "parallel.pp=2"],
                             ["zero_stage=3", "pp=2", "ZeRO-0/1", "zero_stage=1 with pp>1"]),
     "zero2 with pipeline": (["parallel.zero_stage=2", "parallel.pp=4"], ["pipeline engine"]),
-    "layers not divisible": (["parallel.pp=3"], ["n_layers=4", "pp=3", "partition_method=[2, 1, 1]"]),
+    "layers not divisible": (["parallel.pp=3"],
+                             ["n_layers=4", "pp=3", "partition_method=[2, 1, 1]"]),
     "explicit partition wrong sum": (["parallel.pp=2", "parallel.partition_method=[1, 2]"],
                                      ["summing to model.n_layers=4"]),
     "heads not divisible by tp": (["parallel.tp=8"], ["n_heads=4", "tp=8", "(1, 2, 4)"]),
@@ -125,7 +126,8 @@ def test_user_deepspeed_json_is_merged(tmp_path):
     from ds3d.trainer.engine import deepspeed_config
 
     f = tmp_path / "ds.json"
-    f.write_text(json.dumps({"zero_optimization": {"reduce_bucket_size": 1000}, "gradient_clipping": 0.5}))
+    f.write_text(json.dumps({"zero_optimization": {"reduce_bucket_size": 1000},
+                             "gradient_clipping": 0.5}))
     cfg = build_job_config("tiny", [f"train.deepspeed_config=\"{f}\""])
     ds = deepspeed_config(cfg, 1)
     assert ds["zero_optimization"] == {"stage": 1, "reduce_bucket_size": 1000}

@@ -20,7 +20,7 @@ def test_same_step_same_samples_in_a_fresh_plan():
     cfg = build_job_config("tiny")
     a = list(BatchPlan(cfg, 1, 0).step_iterator(7))
     b = list(BatchPlan(cfg, 1, 0).step_iterator(7))
-    for (xa, ya), (xb, yb) in zip(a, b):
+    for (xa, ya), (xb, yb) in zip(a, b, strict=True):
         assert np.array_equal(xa, xb) and np.array_equal(ya, yb)
         assert np.array_equal(xa[:, 1:], ya[:, :-1])  # labels are inputs shifted by one
 

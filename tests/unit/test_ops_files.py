@@ -92,7 +92,8 @@ def test_systemd_unit_and_env_example_pass_only_real_ds3dd_flags():
     env = (OPS / "ds3dd.env.example").read_text()
     for m in re.finditer(r"^#?\s*DS3D_ARGS=(.*)$", env, re.MULTILINE):
         used += [a for a in shlex.split(m.group(1)) if a.startswith("--")]
-    used += re.findall(r"^#\s+(--[a-z][a-z-]*)\s", env, re.MULTILINE)  # the flags listed in comments
+    # the flags listed in comments
+    used += re.findall(r"^#\s+(--[a-z][a-z-]*)\s", env, re.MULTILINE)
     assert used, "no flags found"
     assert set(used) <= known, f"not ds3dd flags: {sorted(set(used) - known)}"
 
@@ -138,7 +139,7 @@ def test_configuration_doc_covers_every_section_and_field():
     for section, model in _sections().items():
         if section and f"`[{section}]`" not in doc:
             missing.append(f"[{section}]")
-        for name, field in model.model_fields.items():
+        for name in model.model_fields:
             if section == "" and name in _sections():
                 continue
             if f"| `{name}` |" not in doc:
@@ -150,6 +151,7 @@ def test_runbook_uses_only_real_ds3dctl_commands():
     parser = cli.build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
     commands = set(sub.choices)
-    used = set(re.findall(r"\bds3dctl (?:--addr \S+ )?([a-z][a-z-]*)\b", (DOCS / "runbook.md").read_text()))
+    runbook = (DOCS / "runbook.md").read_text()
+    used = set(re.findall(r"\bds3dctl (?:--addr \S+ )?([a-z][a-z-]*)\b", runbook))
     assert used, "no ds3dctl commands found"
     assert used <= commands, f"not ds3dctl commands: {sorted(used - commands)}"

@@ -268,9 +268,9 @@ def _fake_engine(costs, loss_s=0.0, hook_cost_s=0.0):
                             schedule.BackwardPass: _exec_backward_pass}
 
         def run_step(self, micro_batches):
-            for i in range(micro_batches):
+            for _ in range(micro_batches):
                 self._INSTRUCTION_MAP[schedule.ForwardPass](self, buffer_id=0)
-            for i in range(micro_batches):
+            for _ in range(micro_batches):
                 self._INSTRUCTION_MAP[schedule.BackwardPass](self, buffer_id=0)
 
     return Engine()
