@@ -38,7 +38,7 @@ from ds3d.trainer.fileio import atomic_write_text
 ACTIONS = ("save", "pause", "stop", "stop_now", "profile", "repartition", "restart")
 # Control files the head copies to the other nodes of a multi-node job: rank 0 (which reads
 # commands) and the rank named by an injection may run on any node.
-CONTROL_FILES = ("command.json", "restore.json", "inject.json")
+CONTROL_FILES = ("command.json", "restore.json", "inject.json", "failures.json")
 INJECT_KINDS = ("nan", "hang", "crash", "slow", "spike")
 
 

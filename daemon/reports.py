@@ -86,12 +86,26 @@ def record_to_event(rec: dict[str, Any]) -> dict[str, Any] | None:
                          f"step {rec.get('recovered_to')} in {rec.get('seconds', 0)} s{skipped}")
     elif kind == "done":
         ev["message"] = f"workers done at step {ev['step']}: {rec.get('reason', '')}"
+    elif kind == "checkpoint_interval":
+        ev["message"] = describe_interval(rec)
     elif kind == "command":
         ev["message"] = (f"command {rec.get('id')} {rec.get('action')} "
                          f"{rec.get('status', '')}")
     else:
         ev["message"] = json.dumps(rec)[:200]
     return ev
+
+
+def describe_interval(rec: dict[str, Any]) -> str:
+    """A `checkpoint_interval` record (trainer/checkpoint_interval.py) in one line."""
+    def f(key: str) -> float:
+        return _num(rec.get(key)) or 0.0
+    guess = "" if rec.get("measured") else ", initial guess until a save commits"
+    return (f"checkpoint every {f('interval_s'):.0f} s = max(sqrt(2 x C {f('save_cost_s'):.1f} s"
+            f" x MTBF {f('mtbf_s') / 3600:.2f} h), commit {f('commit_s'):.1f} s); C = blocked "
+            f"{f('blocked_s'):.2f} s + commit {f('commit_s'):.1f} s{guess}; MTBF from "
+            f"{int(f('failures'))} failure(s) in {f('observed_s') / 3600:.2f} h running and a "
+            f"prior of {f('mtbf_prior_s') / 3600:.1f} h")
 
 
 # Checkpoint phases that enter the checkpoint index ("uploaded", "reshaped", "swept" are

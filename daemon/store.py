@@ -423,6 +423,24 @@ class Store:
                                     "WHERE job=? ORDER BY id", (name,)).fetchall()
         return [(JobState(r[0]), JobState(r[1]), r[2]) for r in rows]
 
+    def count_events(self, name: str, kind: str) -> int:
+        with self._lock:
+            return int(self._db.execute("SELECT COUNT(*) FROM events WHERE job=? AND kind=?",
+                                        (name, kind)).fetchone()[0])
+
+    def seconds_in(self, name: str, states: Iterable[JobState], now: float | None = None) -> float:
+        """Wall seconds the job has spent in `states`, from its transitions (the current
+        state counted up to `now`)."""
+        wanted = {s.value for s in states}
+        with self._lock:
+            rows = self._db.execute("SELECT to_state, time FROM transitions WHERE job=? "
+                                    "ORDER BY id", (name,)).fetchall()
+        total, end = 0.0, time.time() if now is None else now
+        for (state, since), nxt in zip(rows, [*rows[1:], None], strict=True):
+            if state in wanted:
+                total += max(0.0, (nxt[1] if nxt is not None else end) - since)
+        return total
+
     def checkpoints(self, name: str) -> list[CheckpointRow]:
         with self._lock:
             rows = self._db.execute("SELECT * FROM checkpoints WHERE job=? ORDER BY step",

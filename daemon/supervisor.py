@@ -38,6 +38,7 @@ from ds3d.v1 import control_pb2 as pb
 from .ckpt_index import IndexReconciler
 from .detectors import AgentExitDetector, Detector, Fault, HangDetector, StartupDetector
 from .extension_cache import cache_roots, job_extensions_dir
+from .failure_history import FailureHistory
 from .incidents import Incident, IncidentClock
 from .jobdir import JobDir
 from .launcher import AgentHandle, Launcher, kill_strays
@@ -104,6 +105,7 @@ class JobSupervisor:
         job = self.store.get_job(name)
         self._goodput = Goodput()
         self.incidents = IncidentClock()
+        self.failures = FailureHistory(ctx.store, name)
         # the checkpoint index against the store: now (a daemon (re)start), after trouble
         self.index = IndexReconciler(ctx.store, ctx.metrics, name)
         self.index.request("the daemon started supervising the job")
@@ -145,11 +147,14 @@ class JobSupervisor:
         self.index.observe(obs.kinds("checkpoint"))
         if any(r.get("phase") == "rolled_back" for r in obs.kinds("checkpoint")):
             self.forward_control("restore.json", "", local=True)  # consumed on rank 0's node
+        self._note_store_wait(job, obs)
         faults = [f for d in self.detectors if (f := d.check(job, obs, agent_exit)) is not None]
         self._decide_and_act(job, obs, agent_exit, faults)
         job = self.store.get_job(self.name)
         self._welcome_back(job)
         self._export(job, obs)
+        if job.state.live:  # checkpoint.interval = "auto" needs the failure rate
+            self.failures.publish(lambda file, text: self.forward_control(file, text, local=True))
         if job.state in TERMINAL:
             self._cleanup(job)
             return True
@@ -553,6 +558,24 @@ class JobSupervisor:
         self.store.update(self.name, restarts=job.restarts + len(new))
         self.ctx.metrics.restarts.labels(self.name, cause).inc(len(new))
         return cause
+
+    def _note_store_wait(self, job: Job, obs: Observation) -> None:
+        """Workers that have trained their last step wait for their newest checkpoint to be
+        durable (trainer/loop.py wait_for_store) and say so: the status says what is pending
+        (their heartbeats also keep the hang detector quiet)."""
+        waits = [r for r in obs.kinds("heartbeat") if r.get("phase") == "store_wait"]
+        if not waits or job.state is not JobState.RUNNING:
+            return
+        w = waits[-1]
+        failed = w.get("failed") or []
+        message = (f"workers {w.get('why', 'done')} at step {w.get('step')}; waiting for the "
+                   f"store: checkpoint step {w.get('newest')} not durable yet after "
+                   f"{w.get('waited_s', 0):.0f} s (rank {w.get('rank')}: pending "
+                   f"{w.get('pending')}" + (f", failed and retried {failed}; see the "
+                                            "checkpoint events for the error" if failed else "")
+                   + ")")
+        if job.message != message:
+            self.store.update(self.name, message=message)
 
     def _recovered(self, incident: Incident) -> None:
         """One `recovered` event per fault the job came back from, with its time to detect,

@@ -274,7 +274,16 @@ class S3TransferConfig(_Section):
 
 
 class CheckpointConfig(_Section):
-    interval: int = Field(default=0, ge=0, description="save every N steps (0 = only on demand)")
+    interval: Annotated[int, Field(ge=0, le=10**9)] | Literal["auto"] = Field(
+        default=0, description='save every N steps (0 = only on demand), or "auto": every '
+        "sqrt(2 * save cost * MTBF) seconds (Young-Daly; trainer/checkpoint_interval.py)")
+    auto_mtbf_prior_hours: float = Field(
+        default=6.0, gt=0, le=10**5, allow_inf_nan=False, description='interval = "auto": the '
+        "mean time between failures assumed before any is observed (counts as one failure in "
+        "this many hours of running)")
+    auto_initial_save_cost_s: float = Field(
+        default=30.0, gt=0, le=86400, allow_inf_nan=False, description='interval = "auto": the '
+        "save cost (blocked + time to commit) assumed until the first save has committed")
     local_dir: str | None = Field(default=None, description="node-local tier; default JOB_DIR/ckpt")
     store: str | None = Field(default=None, description='durable tier: "file:///p" or "s3://b/p"')
     keep_last: int = Field(default=3, ge=1, le=10000)
