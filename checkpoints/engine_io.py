@@ -181,7 +181,7 @@ class CheckpointManager:
             self.catalog.delete(s, force=True)
         return newer
 
-    def load(self, engine, plan: RestorePlan) -> None:
+    def load(self, engine: Any, plan: RestorePlan) -> None:
         engine.checkpoint_engine = self.snapshot
         path, _ = engine.load_checkpoint(str(self.local_dir), tag=plan.tag,
                                          load_optimizer_states=True, load_lr_scheduler_states=True)
@@ -190,7 +190,7 @@ class CheckpointManager:
 
     # -- save ---------------------------------------------------------------------------------
 
-    def prepare(self, engine) -> int:
+    def prepare(self, engine: Any) -> int:
         """On a GPU, starts pinning host memory for this rank's snapshots in the background, so
         that even the first save blocks only for the copy. The size is an estimate: the module's
         parameters, plus fp32 master weights and Adam's two moments of this rank's share of
@@ -205,7 +205,7 @@ class CheckpointManager:
         self.snapshot.reserve_pinned(nbytes)
         return nbytes
 
-    def save(self, engine, step: int, client_state: dict[str, Any], tokens_seen: int,
+    def save(self, engine: Any, step: int, client_state: dict[str, Any], tokens_seen: int,
              data_position: dict[str, Any]) -> float:
         """Blocks only for the snapshot; returns the seconds training was blocked."""
         engine.checkpoint_engine = self.snapshot

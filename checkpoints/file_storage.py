@@ -17,6 +17,7 @@ objects by rename. The bytes, hence the sha256 in the manifest, are the local fi
 
 from __future__ import annotations
 
+import builtins  # `list` in this class's signatures would name its list() method
 import errno
 import fcntl
 import os
@@ -164,7 +165,7 @@ class FileStorage:
         out.sort(key=lambda o: o.key)
         return out
 
-    def sweep_temporaries(self, prefix: str, older_than: float) -> list[str]:
+    def sweep_temporaries(self, prefix: str, older_than: float) -> builtins.list[str]:
         """Removes the temporary files (`.tmp-ds3d-*`) of writes that never finished (a process
         killed mid-write) under `prefix` and last written before `older_than` (unix s); returns
         their paths relative to the root. `list` hides them, so nothing else ever would."""

@@ -517,7 +517,8 @@ class S3Storage:
         return journal if journal is not None else self._journal
 
     def _part_size(self, size: int) -> int:
-        wanted = max(self.transfer.multipart_chunksize, MIN_PART, math.ceil(size / MAX_PARTS))
+        wanted = max(int(self.transfer.multipart_chunksize), MIN_PART,
+                     math.ceil(size / MAX_PARTS))
         return min(wanted, MAX_PART)
 
     def _put_multipart(self, path: Path, full: str) -> None:
@@ -737,8 +738,9 @@ class S3Storage:
 
     def get_bytes(self, key: str) -> bytes:
         full = self._key(key)
-        return self._call("GetObject", key, lambda: self.client.get_object(
+        data: bytes = self._call("GetObject", key, lambda: self.client.get_object(
             Bucket=self.bucket, Key=full)["Body"].read())
+        return data
 
     def exists(self, key: str) -> bool:
         full = self._key(key)

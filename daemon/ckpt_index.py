@@ -96,9 +96,9 @@ def reconcile(store: Store, metrics: Metrics, name: str, checksums: bool = False
     now = time.time()
     new_rows, events = [], []
     for step, (old, new, why) in sorted(result.changes.items()):
-        row = rows.get(step)
+        indexed = rows.get(step)
         new_rows.append({"step": step, "phase": new, "detail": why,
-                         "time": row.time if row else now})
+                         "time": indexed.time if indexed else now})
         cause = new if new in _PROBLEMS else "reconciled"
         events.append({"time": now, "kind": "checkpoint", "step": step, "cause": cause,
                        "message": f"checkpoint step {step}: the index said {old or 'nothing'}; "

@@ -32,7 +32,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import grpc
 
@@ -230,7 +230,7 @@ class Client:
 
 
 def _state(n: int) -> str:
-    return pb.JobState.Name(n) if n else "-"
+    return pb.JobState.Name(cast("pb.JobState.ValueType", n)) if n else "-"
 
 
 def _duration(s: float) -> str:
@@ -292,7 +292,7 @@ def split_text(sp: pb.StepSplit) -> str:
     step = max(st.step for st in sp.stages)
     head = ("STAGE", "RANKS", "FORWARD", "BACKWARD", "OPTIMIZER", "P2P WAIT", "DP REDUCE", "DATA",
             "STEP", "BUBBLE", "REDUCE/FWD")
-    rows = [head]
+    rows: list[tuple[str, ...]] = [head]
     for st in sp.stages:
         b, r = _opt(st, "bubble"), _opt(st, "reduce_to_forward")
         rows.append((str(st.stage), str(st.ranks),
@@ -635,15 +635,15 @@ def main(argv: list[str] | None = None) -> None:
         print(f"ds3dctl: {e}", file=sys.stderr)
         code = EXIT_BAD_INPUT
     except grpc.RpcError as e:
-        status = e.code()  # type: ignore[attr-defined]
-        answered = ("ds3d-error", "1") in tuple(e.trailing_metadata() or ())  # type: ignore[attr-defined]
+        status = e.code()
+        answered = ("ds3d-error", "1") in tuple(e.trailing_metadata() or ())
         if status == grpc.StatusCode.UNAVAILABLE and not answered:
             addr = args.addr if args is not None else DEFAULT_ADDR
-            print(f"ds3dctl: cannot reach ds3dd at {addr}: {e.details()}; is it running? "  # type: ignore[attr-defined]
+            print(f"ds3dctl: cannot reach ds3dd at {addr}: {e.details()}; is it running? "
                   "(--addr or DS3D_ADDR)", file=sys.stderr)
             code = EXIT_UNREACHABLE
         else:
-            print(f"ds3dctl: {status.name}: {e.details()}", file=sys.stderr)  # type: ignore[attr-defined]
+            print(f"ds3dctl: {status.name}: {e.details()}", file=sys.stderr)
             code = EXIT_BAD_INPUT if status in _USER_CODES or answered else 1
     except KeyboardInterrupt:
         code = 130

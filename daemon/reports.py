@@ -161,12 +161,13 @@ class ReportTail:
                     rec.get("phase", "saved") in INDEXED_PHASES:
                 step = rec["step"]
                 phase = str(rec.get("phase", "saved"))
-                path = rec.get("path") or (self.ckpt_dir / f"global_step{step}"
-                                           if phase in ("saved", "committed", "failed") else "")
-                ckpts.append({"step": step, "phase": phase, "path": str(path),
+                ck_path = rec.get("path") or (self.ckpt_dir / f"global_step{step}"
+                                              if phase in ("saved", "committed", "failed") else "")
+                ckpts.append({"step": step, "phase": phase, "path": str(ck_path),
                               "time": ev["time"] if ev else 0,
                               "blocked_s": _num(rec.get("blocked_s")) or 0.0,
-                              "detail": ev["message"] if phase in PROBLEM_PHASES else ""})
+                              "detail": ev["message"] if ev is not None and
+                              phase in PROBLEM_PHASES else ""})
             elif rec.get("kind") == "checkpoint" and rec.get("phase") == "retention":
                 ckpts += [{"step": s, "phase": "deleted", "time": ev["time"] if ev else 0,
                            "detail": f"deleted by retention after step {rec.get('step')}"}
