@@ -223,10 +223,13 @@ class Store:
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 yield self._db
+                self._db.execute("COMMIT")
             except BaseException:
-                self._db.execute("ROLLBACK")
+                # a COMMIT refused (disk full) leaves the transaction open, and SQLite may have
+                # rolled it back itself: either way none may stay open for the next BEGIN
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
                 raise
-            self._db.execute("COMMIT")
             self.changed.notify_all()
 
     # ---- jobs ------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from pathlib import Path
 
+from ds3d.checkpoints.disk_space import is_disk_full
 from ds3d.trainer.config import JobConfig
 from ds3d.trainer.errors import Ds3dError
 from ds3d.trainer.oom import CgroupMemory
@@ -37,6 +38,7 @@ from ds3d.v1 import control_pb2 as pb
 
 from .ckpt_index import IndexReconciler
 from .detectors import AgentExitDetector, Detector, Fault, HangDetector, StartupDetector
+from .disk import DiskWatch
 from .extension_cache import cache_roots, job_extensions_dir
 from .failure_history import FailureHistory
 from .incidents import Incident, IncidentClock
@@ -95,6 +97,8 @@ class JobSupervisor:
                 *cache_roots(os.environ.get("TORCH_EXTENSIONS_DIR"))]),
             self._oom_detector(name), AgentExitDetector(), self.analysis]
         self.log = get_logger("ds3d.supervisor", job=name)
+        # full disks (state dir, job dir, local tier) diagnosed before anything writes
+        self.disk = DiskWatch(ctx.store, name, ctx.jobs_root.parent, self._config)
         self.wake = threading.Event()
         self.agent: AgentHandle | None = None
         self._seen_group_restarts: set[tuple[int, int]] = set()
@@ -130,14 +134,18 @@ class JobSupervisor:
             try:
                 if self.tick():
                     return
-            except Exception:
-                self.log.exception("supervisor tick failed; retrying")
+            except Exception as exc:
+                if is_disk_full(exc):  # diagnosed by self.disk; retried once there is room
+                    self.disk.write_failed(exc)
+                else:
+                    self.log.exception("supervisor tick failed; retrying")
             self.wake.wait(self.ctx.interval_s)
             self.wake.clear()
 
     def tick(self) -> bool:
         """One pass; True once the job is terminal and cleaned up."""
         agent_exit = self.agent.poll() if self.agent is not None else None
+        self.disk.tick(self.store.get_job(self.name))
         self._sync_peers(self.store.get_job(self.name))
         obs = self.tail.poll()
         job = self.store.get_job(self.name)
@@ -149,6 +157,8 @@ class JobSupervisor:
             self.forward_control("restore.json", "", local=True)  # consumed on rank 0's node
         self._note_store_wait(job, obs)
         faults = [f for d in self.detectors if (f := d.check(job, obs, agent_exit)) is not None]
+        if self.disk.blocking():  # the workers train on; their reports wait for room
+            faults = [f for f in faults if f.cause not in ("hang", "startup_timeout")]
         self._decide_and_act(job, obs, agent_exit, faults)
         job = self.store.get_job(self.name)
         self._welcome_back(job)

@@ -15,6 +15,44 @@ from typing import Any, TextIO
 import structlog
 
 
+class FullDiskTolerantStream:
+    """A log stream whose writes a full disk refuses are dropped, never raised: a worker's
+    stderr is a file in the job folder (the elastic agent redirects it), and a log line is not
+    worth a training run. Other errors are raised as before."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self.dropped = 0  # writes lost to a full disk
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as e:
+            if not _disk_full(e):
+                raise
+            self.dropped += 1
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as e:
+            if not _disk_full(e):
+                raise
+
+    def isatty(self) -> bool:
+        return self._stream.isatty()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _disk_full(exc: BaseException) -> bool:
+    from ds3d.checkpoints.disk_space import is_disk_full
+
+    return is_disk_full(exc)
+
+
 def configure_logging(stream: TextIO | None = None, fmt: str | None = None,
                       level: str | None = None, **context: Any) -> structlog.stdlib.BoundLogger:
     stream = stream or sys.stderr
@@ -33,7 +71,8 @@ def configure_logging(stream: TextIO | None = None, fmt: str | None = None,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        logger_factory=structlog.PrintLoggerFactory(file=stream),
+        logger_factory=structlog.PrintLoggerFactory(
+            file=FullDiskTolerantStream(stream)),  # type: ignore[arg-type]
         cache_logger_on_first_use=False,
     )
     structlog.contextvars.clear_contextvars()

@@ -21,6 +21,11 @@ Every record has: `kind`, `time` (unix seconds), `rank`, `restart` (TORCHELASTIC
     recovery    cause, step (the failed one), recovered_to, steps_lost, skipped_batches, seconds
                 (an in-process rollback)
     done        step (the last step), reason ("completed", "paused", "stopped")
+
+A full disk never stops training here: a record that does not fit is held in memory (in order,
+bounded) and written before the next one once there is room; a short write is cut back so no
+torn line is left. The daemon, meanwhile, diagnoses the full disk itself (daemon/disk.py) and
+does not take the silence for a hang; once space returns, the held records arrive in order.
 """
 
 from __future__ import annotations
@@ -28,9 +33,16 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
+import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
+
+from ds3d.checkpoints.disk_space import is_disk_full, shortage
+
+HELD_RECORDS_MAX = 200_000  # records kept while the disk is full (~50 MB); the oldest go first
 
 
 def report_path(run_dir: str | Path, rank: int) -> Path:
@@ -39,21 +51,89 @@ def report_path(run_dir: str | Path, rank: int) -> Path:
 
 class Reporter:
     """Appends records for one rank. Cheap: one small write per record, no fsync (a lost tail
-    after a power cut costs a few metrics, never correctness: checkpoints carry the truth)."""
+    after a power cut costs a few metrics, never correctness: checkpoints carry the truth).
+    Thread-safe (the checkpoint writer and uploader threads report too)."""
 
     def __init__(self, run_dir: str | Path, rank: int, restart: int) -> None:
-        path = report_path(run_dir, rank)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = open(path, "a", buffering=1, encoding="utf-8")
+        self.path = report_path(run_dir, rank)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._base = {"rank": rank, "restart": restart, "node": socket.gethostname(),
                       "pid": os.getpid()}
+        self._lock = threading.Lock()
+        self._held: deque[bytes] = deque()  # records waiting for room on the disk
+        self._dropped = 0  # held records given up (the oldest) past HELD_RECORDS_MAX
+        self._full_since: float | None = None
 
     def emit(self, kind: str, **fields: Any) -> None:
         record = {"kind": kind, "time": round(time.time(), 3), **self._base, **fields}
-        self._fh.write(json.dumps(record, separators=(",", ":"), default=float) + "\n")
+        line = (json.dumps(record, separators=(",", ":"), default=float) + "\n").encode()
+        with self._lock:
+            self._held.append(line)
+            if len(self._held) > HELD_RECORDS_MAX:
+                self._held.popleft()
+                self._dropped += 1
+            self._flush()
 
-    def close(self) -> None:
-        self._fh.close()
+    def held(self) -> int:
+        """Records not written yet because the disk is full."""
+        with self._lock:
+            return len(self._held)
+
+    def _flush(self) -> None:
+        while self._held:
+            if not self._append(self._held[0]):
+                return
+            self._held.popleft()
+        if self._full_since is not None:
+            _say(f"ds3d: reports are written again to {self.path} after "
+                 f"{time.time() - self._full_since:.0f} s of a full disk"
+                 + (f"; {self._dropped} oldest held records were dropped" if self._dropped
+                    else "; no record was lost"))
+            self._full_since, self._dropped = None, 0
+
+    def _append(self, line: bytes) -> bool:
+        """One whole line or nothing: False (with the file as it was) when the disk is full."""
+        start = os.fstat(self._fd).st_size
+        try:
+            written = os.write(self._fd, line)
+            if written == len(line):
+                return True
+            raise OSError(28, "No space left on device (short write)")
+        except OSError as e:
+            if not is_disk_full(e):
+                raise
+            try:
+                os.ftruncate(self._fd, start)  # no torn line for the daemon to skip
+            except OSError:
+                pass
+            if self._full_since is None:
+                self._full_since = time.time()
+                _say("ds3d: " + shortage(self.path, len(line)).message("this rank's reports")
+                     + "; records are held in memory and written once there is room")
+            return False
+
+    def close(self, wait_s: float = 600.0) -> None:
+        """Writes what is held; while the disk stays full, waits up to `wait_s` for room (the
+        last records, `done` above all, are how the daemon learns the job finished)."""
+        deadline = time.monotonic() + wait_s
+        with self._lock:
+            self._flush()
+            if self._held:
+                _say(f"ds3d: waiting up to {wait_s:.0f} s for room to write this rank's last "
+                     f"{len(self._held)} records to {self.path}")
+            while self._held and time.monotonic() < deadline:
+                time.sleep(1.0)
+                self._flush()
+            os.close(self._fd)
+
+
+def _say(text: str) -> None:
+    """To stderr, if it can be written (on a full disk the log file may not be)."""
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except OSError:
+        pass
 
 
 def read_records(path: str | Path, offset: int = 0) -> tuple[list[dict[str, Any]], int]:

@@ -72,13 +72,53 @@ def restart_cause(records: list[dict[str, Any]], pid: int, world_size: int,
     return "unclean_exit", step
 
 
+class DiskFullTolerantWriter:
+    """A SummaryWriter that a full disk cannot stop training with. torch's writer raises the
+    ENOSPC of its background thread in the training thread, on every later call, for good; so
+    on a full disk this drops the writer (its scalars until then are lost), and makes a new one
+    (a new event file in the same folder, read as the same run) at most every 10 s once a
+    call comes. Other errors are raised as before."""
+
+    RETRY_S = 10.0
+
+    def __init__(self, make: Any) -> None:
+        self._make = make
+        self._writer: Any = make()
+        self._broken_at = 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            import time
+
+            from ds3d.checkpoints.disk_space import is_disk_full
+
+            try:
+                if self._writer is None:
+                    if time.monotonic() - self._broken_at < self.RETRY_S:
+                        return None
+                    self._writer = self._make()
+                return getattr(self._writer, name)(*args, **kwargs)
+            except OSError as e:
+                if not is_disk_full(e):
+                    raise
+                broken, self._writer, self._broken_at = self._writer, None, time.monotonic()
+                try:
+                    if broken is not None:
+                        broken.close()  # ends its thread; its last flush fails too
+                except OSError:
+                    pass
+                return None
+        return call
+
+
 class TensorBoardLog:
     def __init__(self, cfg: JobConfig, run_dir: Path, device: torch.device, world_size: int,
                  global_batch: int, restart: int) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         self.path = Path(run_dir) / "tensorboard"
-        self.writer = SummaryWriter(log_dir=str(self.path), flush_secs=10)
+        self.writer: Any = DiskFullTolerantWriter(
+            lambda: SummaryWriter(log_dir=str(self.path), flush_secs=10))
         peak = device_peak_tflops(device)
         self.flops = flops_per_step(cfg, global_batch)
         self.peak_total = peak * 1e12 * world_size if peak else None

@@ -94,3 +94,31 @@ def test_disk_full_is_recognised_in_its_shapes() -> None:
         assert is_disk_full(e)
     assert not is_disk_full(OSError(5, "Input/output error"))
     assert not is_disk_full(json.JSONDecodeError("x", "", 0))
+
+
+def test_reports_are_held_while_the_disk_is_full_and_arrive_in_order(small_tmpfs, fill_disk,
+                                                                      capfd) -> None:
+    from ds3d.trainer.report import Reporter, read_records, report_path
+
+    run_dir = small_tmpfs(1 << 20)
+    rep = Reporter(run_dir, rank=3, restart=0)
+    rep.emit("step", step=1)
+    filler = fill_disk(run_dir)
+    for step in range(2, 400):  # ~40 KB of records: none fits
+        rep.emit("step", step=step, detail="x" * 40)
+    # what fitted in the file's last page went in; the rest is held, in order, nothing torn
+    held = rep.held()
+    assert held > 300
+    records, offset = read_records(report_path(run_dir, 3))
+    assert [r["step"] for r in records] == list(range(1, 400 - held))
+    assert offset == report_path(run_dir, 3).stat().st_size
+    err = capfd.readouterr().err
+    assert "this rank's reports" in err and str(report_path(run_dir, 3)) in err
+    assert err.count("no space left") == 1  # said once, not per record
+    filler.unlink()
+    rep.emit("step", step=400)
+    assert rep.held() == 0
+    records, _ = read_records(report_path(run_dir, 3))
+    assert [r["step"] for r in records] == list(range(1, 401))
+    assert "reports are written again" in capfd.readouterr().err
+    rep.close()
