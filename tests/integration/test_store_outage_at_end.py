@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from ds3d.checkpoints import layout
+
 from test_daemon_support import DaemonProc
 
 pytest_plugins = ["fixtures.s3", "fixtures.rgw"]
