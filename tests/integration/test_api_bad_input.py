@@ -16,6 +16,9 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ds3d.daemon.auth import PEER_METHODS
+
 from test_daemon_support import DaemonProc, kill_job_processes, new_token, pb, tiny_job_json
 
 pytestmark = pytest.mark.timeout(120)
@@ -339,8 +342,11 @@ def test_issue17_10_undecodable_bytes_are_invalid_argument_for_every_rpc(daemon)
             path = f"/ds3d.v1.Control/{method}"
             fn = channel.unary_stream(path) if desc.server_streaming else \
                 channel.unary_unary(path)
+            # node-to-node RPCs are authorised before their bytes are read: the peer credential
+            md = [("authorization", f"Bearer {daemon.peer_token}")] if path in PEER_METHODS \
+                else daemon.md()
             with pytest.raises(grpc.RpcError) as e:
-                r = fn(b"\x0a\xff\xff\xff\x0f", timeout=10, metadata=daemon.md())
+                r = fn(b"\x0a\xff\xff\xff\x0f", timeout=10, metadata=md)
                 list(r) if desc.server_streaming else None
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, e.value)
             assert f"not a valid {method} message" in e.value.details()
