@@ -382,9 +382,15 @@ def tensorboard_text(j: pb.JobStatus, rank0_host: str) -> str:
 
 
 def _newest_event(client: Client, job: str, kind: str) -> pb.Event | None:
+    """The job's newest event of `kind`; None when there is none, or when this daemon is not
+    the job's head (its events are kept there; GetJob is forwarded, the event log is not)."""
     newest = None
-    for e in client.stream("WatchEvents", pb.WatchEventsRequest(name=job, kinds=[kind])):
-        newest = e
+    try:
+        for e in client.stream("WatchEvents", pb.WatchEventsRequest(name=job, kinds=[kind])):
+            newest = e
+    except grpc.RpcError as e:
+        if e.code() != grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]
+            raise
     return newest
 
 
