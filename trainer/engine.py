@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import bf16_fastpath
 from .config import JobConfig
 from .data import BatchPlan
 from .ds_config import build_deepspeed_config
@@ -91,6 +92,7 @@ class TrainStep:
         import deepspeed
 
         defer_deepspeed_compile()
+        bf16_fastpath.install()
         self.cfg, self.layout, self.device = cfg, layout, device
         self.pipelined = cfg.parallel.zero_stage < 2
         if self.pipelined:
