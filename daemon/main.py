@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--log-level", default="info")
     ap.add_argument("--enable-fault-injection", action="store_true",
                     help="accept fault-injection requests (drills only; off by default)")
+    ap.add_argument("--report-gpu-memory", metavar="SIZE",
+                    help="tests and dry runs only: report one GPU of SIZE (e.g. 141GB) instead "
+                    "of the GPUs nvidia-smi finds, for the fit check at job start")
     ap.add_argument("--worker-module", default=WORKER_MODULE, help=argparse.SUPPRESS)
     return ap
 
@@ -88,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         state_dir.mkdir(parents=True, exist_ok=True)
         configure(state_dir / "ds3dd.log", args.node_name, args.log_level)
+        from .fit_check import parse_size
         from .server import Daemon, DaemonOptions
 
         token = read_token(args.token_file) if args.token_file else None
@@ -98,7 +102,9 @@ def main(argv: list[str] | None = None) -> None:
             metrics_port=args.metrics_port, max_request_bytes=args.max_request_bytes,
             rdzv_host=args.rdzv_host, worker_module=args.worker_module, node_addr=args.node_addr,
             hang_timeout_s=args.hang_timeout, start_timeout_s=args.start_timeout,
-            enable_fault_injection=args.enable_fault_injection)
+            enable_fault_injection=args.enable_fault_injection,
+            report_gpu_memory=parse_size(args.report_gpu_memory)
+            if args.report_gpu_memory else None)
         daemon = Daemon(opts)
         daemon.start()
     except (Ds3dError, OSError) as e:

@@ -27,6 +27,7 @@ from ds3d.v1 import control_pb2_grpc as pb_grpc
 from .api import ControlServicer
 from .auth import AuthInterceptor, PeerAuth, TlsFiles, check_listen_policy
 from .errors import ErrorInterceptor
+from .fit_check import node_resources
 from .launcher import WORKER_MODULE, Launcher
 from .logging import get_logger
 from .metrics import Metrics
@@ -57,6 +58,7 @@ class DaemonOptions:
     start_timeout_s: float = 600.0
     peer: PeerAuth = PeerAuth()  # how the other daemons of a job are recognised (auth.py)
     enable_fault_injection: bool = False
+    report_gpu_memory: int | None = None  # bytes of one GPU, instead of nvidia-smi's (tests)
     node_addr: str | None = None
 
 
@@ -123,7 +125,9 @@ class Daemon:
         self.peers = peers
         self.service = JobService(self.store, self.supervisors, jobs_root, opts.node,
                                   peers=peers,
-                                  enable_fault_injection=opts.enable_fault_injection)
+                                  enable_fault_injection=opts.enable_fault_injection,
+                                  resources=node_resources(opts.report_gpu_memory))
+        log.info("node resources", **vars(self.service.resources))
         self.server: grpc.Server | None = None
         self.health: health.HealthServicer | None = None
         self.address = ""

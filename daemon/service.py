@@ -16,9 +16,11 @@ from typing import Any
 
 from ds3d.trainer.config import JobConfig, validate_job
 from ds3d.trainer.errors import ConfigError, NotFoundError, StateError
+from ds3d.trainer.memory_model import NodeResources
 from ds3d.trainer.partition import (CALIBRATION_STEPS, LayerCost, Proposal, current_partition,
                                     fmt_boundaries, memory_model, merge_profile_records, propose)
 
+from .fit_check import check_fit
 from .jobdir import INJECT_KINDS, JobDir
 from .peers import PeerClient, check_peer_address
 from .states import TERMINAL, JobState, check_action
@@ -93,18 +95,22 @@ def stored_config_problem(config_json: str) -> str | None:
 class JobService:
     def __init__(self, store: Store, supervisors: Supervisors, jobs_root: Path,
                  node: str, peers: PeerClient | None = None,
-                 enable_fault_injection: bool = False) -> None:
+                 enable_fault_injection: bool = False,
+                 resources: NodeResources | None = None) -> None:
         self.store = store
         self.supervisors = supervisors
         self.jobs_root = jobs_root
         self.node = node
         self.peers = peers
         self.enable_fault_injection = enable_fault_injection
+        self.resources = resources  # this node's GPUs and memory, for the fit check
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
     def start(self, config_json: str) -> Job:
         cfg = parse_config(config_json)
+        if self.resources is not None:  # before any side effect (fit_check.py)
+            check_fit(cfg, self.resources)
         if cfg.launch.nnodes > 1:
             for address in cfg.launch.hosts[1:]:
                 check_peer_address(address, self.peers.tls if self.peers else None)

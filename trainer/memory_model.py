@@ -40,7 +40,10 @@ if TYPE_CHECKING:  # pragma: no cover
 GiB = 1 << 30
 ALLOCATOR_HEADROOM = 1.15  # reserved / allocated peak seen on the H200 (1.10-1.27), typical
 CUDA_CONTEXT_BYTES = 2 * GiB  # context, cuBLAS / cuDNN workspaces, NCCL buffers
-HOST_PROCESS_BYTES = 3 * GiB  # python + torch + DeepSpeed + CUDA runtime per worker process
+# a worker process's own host memory besides the state (python, torch, DeepSpeed; the CUDA
+# runtime on GPU): 8 CPU ranks of the tiny model took 3.5 GB in all (FIELD-NOTES); a CUDA
+# process's runtime and libraries take ~2 GB (assumed, not measured here)
+HOST_PROCESS_BYTES = {"cpu": GiB // 2, "cuda": 2 * GiB}
 BACKWARD_TRANSIENT_PER_PARAM = 4
 
 
@@ -201,9 +204,9 @@ def estimate(cfg: JobConfig, layout: Layout | None = None) -> JobMemory:
         else:
             gpu["backward/optimizer transient (bf16 grads, step)"] = transient
         rank = RankMemory(stage, P, {k_: int(v) for k_, v in gpu.items()})
-        rank.host_parts = {"worker process": HOST_PROCESS_BYTES,
-                           "snapshot arena (pinned)": int((elem * P + 12 * shard) * 1.1)
-                           + (64 << 20)}
+        rank.host_parts = {"worker process": HOST_PROCESS_BYTES.get(cfg.launch.device, 2 * GiB),
+                           "snapshot buffers (pinned on GPU nodes)":
+                               int((elem * P + 12 * shard) * 1.1) + (64 << 20)}
         if cfg.launch.device == "cpu":  # the training state itself lives in host memory
             rank.host_parts["training state (on CPU)"] = rank.gpu_total
         ranks.append(rank)
@@ -230,7 +233,7 @@ def problems(est: JobMemory, node: NodeResources, ranks_per_node: int) -> list[s
     host = max(r.host_total for r in est.ranks) * ranks_per_node
     if host > node.host_bytes:
         out.append(f"{ranks_per_node} rank(s) per node need {gib(host)} of host memory "
-                   f"(worker processes, pinned snapshot arenas"
+                   f"(worker processes, checkpoint snapshot buffers"
                    f"{', training state' if est.device == 'cpu' else ''}); the node has "
                    f"{gib(node.host_bytes)}")
     return out

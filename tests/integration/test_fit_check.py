@@ -18,7 +18,7 @@ def test_gpt10b_on_one_141gb_gpu_is_refused_with_the_layout_that_fits(tmp_path):
         assert "job 'big' will not fit this node" in r.stderr
         assert "the node's GPUs have 131.3 GiB (reported by ds3dd --report-gpu-memory)" in r.stderr
         assert "the smallest layout that fits: TP " in r.stderr and "--set parallel.tp=" in r.stderr
-        for part in ("weights (bf16)", "Adam moments (fp32)", "snapshot arena (pinned)"):
+        for part in ("weights (bf16)", "Adam moments (fp32)", "snapshot buffers (pinned on GPU"):
             assert part in r.stderr
         r = d.ctl("status", "big")
         assert r.returncode != 0  # nothing was created
