@@ -50,6 +50,7 @@ from ds3d.trainer.logs import configure_logging
 
 from . import layout
 from .deepspeed_latest import refresh_local_latest, write_store_latest
+from .disk_space import is_disk_full
 from .identity import ForeignPrefixError, manifest_is_mine
 from .manifest import (
     CheckpointMeta,
@@ -354,7 +355,18 @@ class Uploader:
                 job = self._due_retry()
                 if job is None:
                     continue
-            self._process(job)
+            try:
+                self._process(job)
+            except OSError as e:
+                # a local marker write that a full disk refused (inside the error handling):
+                # the checkpoint stays local and is retried later, and this thread lives on
+                if not is_disk_full(e):
+                    raise
+                log.warning("checkpoint_upload_disk_full", step=job.step, rank=self.rank,
+                            detail=str(e))
+                job.retry_at = time.monotonic() + self.retry_interval
+                with self._lock:
+                    self._failed[job.step] = job
 
     def _due_retry(self) -> _Job | None:
         now = time.monotonic()

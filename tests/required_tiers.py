@@ -2,7 +2,9 @@
 
 The RGW tests skip where Ceph's packages are missing and the promtool tests where promtool is,
 which is right on a developer's machine but would let CI stay green after a failed install.
-Tests of a required tier carry its marker (`rgw`, `promtool`); tests that use the Ceph RGW
+The disk-full tests (`tmpfs`) skip where a tmpfs cannot be mounted (not root, no
+CAP_SYS_ADMIN): CI runs as root, so there a skip means a broken runner, not a choice.
+Tests of a required tier carry its marker (`rgw`, `promtool`, `tmpfs`); tests that use the Ceph RGW
 fixture get `rgw` whether or not they were marked. Under CI, such a test's skip is reported as
 a failure that quotes the skip's reason (what to install).
 """

@@ -47,6 +47,15 @@ class FullDiskTolerantStream:
         return getattr(self._stream, name)
 
 
+def tolerate_full_disk_on_std_streams() -> None:
+    """A worker's stdout and stderr are files in the job folder (the elastic agent redirects
+    them): a `print` there (ours, DeepSpeed's) that a full disk refuses must not end training."""
+    if not isinstance(sys.stdout, FullDiskTolerantStream):
+        sys.stdout = FullDiskTolerantStream(sys.stdout)  # type: ignore[assignment]
+    if not isinstance(sys.stderr, FullDiskTolerantStream):
+        sys.stderr = FullDiskTolerantStream(sys.stderr)  # type: ignore[assignment]
+
+
 def _disk_full(exc: BaseException) -> bool:
     from ds3d.checkpoints.disk_space import is_disk_full
 
