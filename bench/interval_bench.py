@@ -31,8 +31,8 @@ import threading
 import time
 from pathlib import Path
 
-STEPS = 200
-FAULT_EVERY_S = 20.0
+STEPS = 600
+FAULT_EVERY_S = 12.0
 BASE = [f"train.steps={STEPS}", "train.warmup_steps=2", "parallel.dp=2",
         "checkpoint.keep_last=2"]
 POLICIES = {"none (fault-free, no checkpoints)": ["checkpoint.interval=0"],
