@@ -17,8 +17,8 @@ DEFAULT_CLEANUP_GRACE_S = 3600.0
 
 
 def cleanup_grace_s(checkpoint_settings: Any) -> float:
-    """`checkpoint.cleanup_grace_s` of a job's settings, or the default where the settings
-    have no such field."""
+    """`checkpoint.cleanup_grace_s` of a job's settings (trainer/config.py), or the default
+    where the settings have no such field (a bare settings object in tests and tools)."""
     value = getattr(checkpoint_settings, "cleanup_grace_s", None)
     return DEFAULT_CLEANUP_GRACE_S if value is None else float(value)
 

@@ -289,6 +289,10 @@ class CheckpointConfig(_Section):
     keep_last: int = Field(default=3, ge=1, le=10000)
     keep_every: int = Field(default=0, ge=0, le=MAX_STEPS,
                             description="also keep every Nth step (0 = none)")
+    cleanup_grace_s: float = Field(
+        default=3600.0, ge=0, le=2592000, allow_inf_nan=False, description="seconds before the "
+        "leftovers of interrupted saves (uncommitted steps older than the newest commit, "
+        "temporary files, unfinished multipart uploads) are removed (checkpoints/retention.py)")
     load: bool = Field(default=True, description="resume from the newest complete checkpoint")
     s3: S3TransferConfig = Field(default_factory=S3TransferConfig,
                                  description="transfer settings for an s3:// store")

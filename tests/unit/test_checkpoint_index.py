@@ -101,3 +101,25 @@ def test_reconcile_sets_what_the_store_proves(tmp_path: Path) -> None:
     got = metrics.registry.get_sample_value("ds3d_checkpoint_problems_total",
                                             {"job": "idx", "problem": "corrupt"})
     assert got == 2.0
+
+
+def test_checkpoint_trouble_and_the_commit_after_it_reconcile_in_the_background(
+        tmp_path: Path) -> None:
+    """After an outage mid-commit the reports said `failed` for a step the store holds
+    committed: the trouble, and again the next commit, make the daemon reconcile."""
+    from ds3d.daemon.ckpt_index import IndexReconciler
+
+    store, storage, job_id = make_job(tmp_path)
+    ingest(store, (10, "saved"), (10, "failed"))
+    commit(storage, tmp_path / "local", 10, job_id)  # the commit reached the store after all
+    reconciler = IndexReconciler(store, Metrics(), "idx", retry_s=0.1)
+    reconciler.observe([{"kind": "checkpoint", "phase": "uploaded", "step": 10}])
+    reconciler.wait(10)
+    assert phases(store) == {10: "failed"}  # progress reports do not trigger it
+    reconciler.observe([{"kind": "checkpoint", "phase": "failed", "step": 10}])
+    reconciler.wait(10)
+    assert phases(store) == {10: "committed"}
+    commit(storage, tmp_path / "local", 20, job_id)
+    reconciler.observe([{"kind": "checkpoint", "phase": "committed", "step": 20}])
+    reconciler.wait(10)
+    assert phases(store) == {10: "committed", 20: "committed"}
