@@ -14,7 +14,7 @@ from ds3d.daemon.peers import PeerClient, PeerError, Shares, check_peer_address
 from ds3d.daemon.reports import ReportTail
 from ds3d.daemon.store import Store
 from ds3d.trainer.config import build_job_config
-from ds3d.trainer.errors import ConfigError
+from ds3d.trainer.errors import ConfigError, StateError
 from ds3d.trainer.report import Reporter
 
 pytestmark = pytest.mark.timeout(30)
@@ -53,7 +53,9 @@ def test_control_files_by_name_only(tmp_path):
     assert shares.control("mn", "command.json", "") and jobdir.command() is None
     with pytest.raises(ConfigError, match="not one of"):
         shares.control("mn", "../job.json", "{}")
-    assert not shares.control("other", "inject.json", "{}")
+    assert not shares.control("other", "command.json", "{}")  # no share of that job here
+    with pytest.raises(StateError, match="--enable-fault-injection"):
+        shares.control("mn", "inject.json", "{}")  # this daemon was started without it
 
 
 def test_inject_file_is_atomic_and_checked(tmp_path):

@@ -123,7 +123,10 @@ class FakeClient:
         return pb.JobResponse(job=self.job)
 
     def stream(self, method, request):
-        assert method == "WatchEvents" and set(request.kinds) == {"start", "recovery"}
+        assert method == "WatchEvents"
+        if set(request.kinds) == {"checkpoint_interval"}:  # status JOB: an "auto" interval
+            return iter([e for e in self.events if e.kind == "checkpoint_interval"])
+        assert set(request.kinds) == {"start", "recovery"}
         return iter(self.events)
 
 
@@ -187,3 +190,17 @@ def test_log_paths_list_every_file_kind():
     assert "/s/jobs/j/logs/ (agent.log, attempt-N/...)" in text
     assert "/s/jobs/j/reports/rank-*.jsonl  (other nodes' copies in reports/nodes/)" in text
     assert "/s/jobs/j/tensorboard/" in text and "ds3dctl events j" in text
+
+
+def test_status_shows_the_newest_auto_interval_with_its_inputs(monkeypatch, tmp_path):
+    """checkpoint.interval = "auto": the newest `checkpoint_interval` event, as text and JSON."""
+    detail = {"interval_s": 762.6, "save_cost_s": 40.4, "mtbf_s": 7200.0, "failures": 3}
+    events = [pb.Event(kind="checkpoint_interval", step=s, message=f"checkpoint every {s} s",
+                       detail_json=json.dumps({**detail, "step": s})) for s in (10, 40)]
+    text = run(monkeypatch, a_job(tmp_path, split=False), "status", "j", events=events)
+    assert "checkpoint every 40 s (as of step 40)" in text and "every 10 s" not in text
+    data = json.loads(run(monkeypatch, a_job(tmp_path, split=False), "status", "j", "--json",
+                          events=events))
+    assert data["checkpoint_interval"] == {**detail, "step": 40}
+    # a job without "auto" has no such event, and no line
+    assert "checkpoint every" not in run(monkeypatch, a_job(tmp_path, split=False), "status", "j")
