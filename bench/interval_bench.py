@@ -87,7 +87,8 @@ def run(run_dir: Path, sets: list[str], faults: bool) -> dict:
     end = max(r["time"] for r in recs)
     saves = [r for r in recs if r["kind"] == "checkpoint" and r.get("phase") == "saved"]
     out = {"training_wall_s": round(end - begin, 2), "trained_steps": len(steps),
-           "steps_lost": len(steps) - STEPS, "crashes": len(list(run_dir.glob("control/inject-done-*"))),
+           "steps_lost": len(steps) - STEPS,
+           "crashes": len(list(run_dir.glob("control/inject-done-*"))),
            "saves": len(saves), "goodput_steps_per_s": STEPS / (end - begin),
            "step_time_s": sorted(r["step_time_s"] for r in steps)[len(steps) // 2]}
     decisions = [r for r in recs if r["kind"] == "checkpoint_interval"]
@@ -112,7 +113,8 @@ def main() -> None:
     baselines.append(run(work / "baseline-2", POLICIES[names[0]], faults=False))
     best = max(baselines, key=lambda b: b["goodput_steps_per_s"])
     for r in results.values():
-        r["goodput_vs_fault_free"] = round(r["goodput_steps_per_s"] / best["goodput_steps_per_s"], 4)
+        r["goodput_vs_fault_free"] = round(r["goodput_steps_per_s"]
+                                           / best["goodput_steps_per_s"], 4)
     report = {"date": time.strftime("%Y-%m-%d"), "command": "python bench/interval_bench.py "
               + " ".join(sys.argv[1:]), "machine": f"{os.cpu_count()} CPU cores",
               "job": f"tiny DP 2, {STEPS} steps, file store", "fault": f"crash of rank 1 every "

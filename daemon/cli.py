@@ -389,7 +389,7 @@ def _newest_event(client: Client, job: str, kind: str) -> pb.Event | None:
         for e in client.stream("WatchEvents", pb.WatchEventsRequest(name=job, kinds=[kind])):
             newest = e
     except grpc.RpcError as e:
-        if e.code() != grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]
+        if e.code() != grpc.StatusCode.NOT_FOUND:
             raise
     return newest
 
