@@ -48,7 +48,7 @@ def enable_reflection_v1(service_names: Iterable[str], server: grpc.Server) -> s
     (None if it could not be registered, then only v1alpha is served)."""
     names = (*service_names, SERVICE_NAME)
     try:
-        from grpc_reflection.v1 import reflection as v1  # type: ignore[import-not-found]
+        from grpc_reflection.v1 import reflection as v1
     except ImportError:
         v1 = None
     if v1 is not None:

@@ -295,6 +295,7 @@ class Store:
             if r["done_reason"] == QUARANTINED:
                 continue
             known = {s.value for s in JobState}
+            cause: str | None
             if r["state"] not in known or r["desired_state"] not in known:
                 cause = f"unknown state number {r['state']}/{r['desired_state']}"
             else:

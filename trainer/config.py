@@ -401,7 +401,7 @@ class JobConfig(_Section):
                 "min_nodes": min(launch.min_nodes or nodes, nodes)})})
 
     @classmethod
-    def parse_json(cls, text: str | bytes, source: str) -> "JobConfig":
+    def parse_json(cls, text: str | bytes, source: str) -> JobConfig:
         """A job as JSON (a StartJob or StartShare request, a stored row) -> JobConfig, checked
         against the schema only (`validate_job` checks the combinations); ConfigError names
         every problem."""

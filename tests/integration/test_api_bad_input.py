@@ -371,7 +371,8 @@ def test_issue17_10_reflection_v1_beside_v1alpha(daemon):
                                           file_containing_symbol="ds3d.v1.Control")]),
                                 timeout=10, metadata=daemon.md()))
             services = {s.name for s in answers[0].list_services_response.service}
-            assert {"ds3d.v1.Control", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
+            assert {"ds3d.v1.Control", "grpc.health.v1.Health",
+                    "grpc.reflection.v1.ServerReflection",
                     "grpc.reflection.v1alpha.ServerReflection"} <= services, (version, services)
             assert answers[1].file_descriptor_response.file_descriptor_proto, version
 
