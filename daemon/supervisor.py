@@ -643,8 +643,9 @@ class JobSupervisor:
             if isinstance(rec.get("mfu"), int | float):
                 m.mfu.labels(self.name).set(rec["mfu"])
         self._goodput.update(job, obs)
-        if self._goodput.ratio() is not None:
-            m.goodput.labels(self.name).set(self._goodput.ratio())
+        ratio = self._goodput.ratio()
+        if ratio is not None:
+            m.goodput.labels(self.name).set(ratio)
         for rec in obs.kinds("checkpoint"):
             if rec.get("phase") == "committed" and isinstance(rec.get("time"), int | float):
                 m.last_commit.labels(self.name).set(rec["time"])
