@@ -154,7 +154,7 @@ class Job:
     next_launch_at: float
 
     @classmethod
-    def from_row(cls, row: sqlite3.Row) -> "Job":
+    def from_row(cls, row: sqlite3.Row) -> Job:
         d = dict(row)
         d["state"] = JobState(d["state"])
         d["desired_state"] = JobState(d["desired_state"])

@@ -27,8 +27,8 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 from ds3d.checkpoints.disk_space import is_disk_full
 from ds3d.trainer.config import JobConfig
@@ -51,10 +51,10 @@ from .peers import REPORT_FILE_RE, PeerClient, PeerError, ReturningNodes
 from .policies import RestartPolicy
 from .procs import ProcessRef
 from .rendezvous import start_store
-from .stacks import StackDump, dump_stacks, suspects
-from .step_analysis import StepAnalysis
 from .reports import PROBLEM_PHASES, Observation, ReportTail
+from .stacks import StackDump, dump_stacks, suspects
 from .states import TERMINAL, JobState
+from .step_analysis import StepAnalysis
 from .store import Job, Store
 
 _WORKING = (JobState.STARTING, JobState.RUNNING, JobState.RECOVERING)

@@ -384,7 +384,7 @@ class JobConfig(_Section):
         """The job keeps running on fewer nodes than it started with (launch.min_nodes)."""
         return self.launch.min_nodes is not None and self.launch.min_nodes < self.launch.nnodes
 
-    def at_world_size(self, world_size: int) -> "JobConfig":
+    def at_world_size(self, world_size: int) -> JobConfig:
         """The job as it runs on `world_size` processes. An elastic job that lost (or got back)
         nodes keeps TP x PP and its global batch; DP follows the world and gradient
         accumulation makes up the difference. Any other job is returned unchanged (and
@@ -411,7 +411,7 @@ class JobConfig(_Section):
             raise ConfigError(explain(e, source)) from None
 
     @classmethod
-    def load_json(cls, path: str | Path) -> "JobConfig":
+    def load_json(cls, path: str | Path) -> JobConfig:
         try:
             return cls.model_validate_json(Path(path).read_text())
         except ValidationError as e:
@@ -498,7 +498,8 @@ def _range_hint(loc: tuple[Any, ...]) -> str:
 def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for k, v in over.items():
-        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        both = isinstance(v, dict) and isinstance(out.get(k), dict)
+        out[k] = _deep_merge(out[k], v) if both else v
     return out
 
 
@@ -629,7 +630,8 @@ def validate_job(cfg: JobConfig, world_size: int | None = None) -> None:
             problems.append(
                 f"train.global_batch_size={t.global_batch_size} != micro_batch_size "
                 f"({t.micro_batch_size}) x grad_accum_steps ({t.grad_accum_steps}) x dp ({dp}) = "
-                f"{want}; set global_batch_size={want}, or leave grad_accum_steps unset to derive it")
+                f"{want}; set global_batch_size={want}, or leave grad_accum_steps unset to "
+                "derive it")
     elif t.global_batch_size is not None and t.global_batch_size % (t.micro_batch_size * dp):
         problems.append(
             f"train.global_batch_size={t.global_batch_size} is not divisible by micro_batch_size "
@@ -673,7 +675,8 @@ def validate_job(cfg: JobConfig, world_size: int | None = None) -> None:
             problems.append(f"data.skip_batches range [{start}, {end}) is empty or negative")
     problems += _data_problems(cfg)
     if cfg.data.source not in ("synthetic", "indexed") and not cfg.data.source.endswith(".bin"):
-        problems.append(f"data.source={cfg.data.source!r}: use \"synthetic\", \"indexed\" (Megatron "
+        problems.append(f"data.source={cfg.data.source!r}: use \"synthetic\", "
+                        "\"indexed\" (Megatron "
                         "datasets listed in data.blend) or the path of a flat token file ending "
                         "in .bin (see docs/data.md)")
     if problems:
@@ -705,7 +708,8 @@ def _elastic_problems(cfg: JobConfig) -> list[str]:
                        f"{p.tp * p.pp}")
         elif t.global_batch_size % (t.micro_batch_size * (world // (p.tp * p.pp))):
             bad.append(f"{nodes} nodes: global_batch_size={t.global_batch_size} is not divisible "
-                       f"by micro_batch_size x dp = {t.micro_batch_size} x {world // (p.tp * p.pp)}")
+                       f"by micro_batch_size x dp = {t.micro_batch_size} x "
+                       f"{world // (p.tp * p.pp)}")
     return [f"elastic launch.min_nodes={launch.min_nodes}..nnodes={launch.nnodes}: {b}; pick a "
             "global_batch_size (or min_nodes) that fits every node count" for b in bad]
 
