@@ -216,10 +216,12 @@ class ControlServicer(pb_grpc.ControlServicer):
         if (fwd := self._forwarded("ListCheckpoints", request)) is not None:
             return fwd
         name = _name(request.name)
+        rows, changes = self.service.checkpoints(name, verify=request.verify)
         return pb.ListCheckpointsResponse(checkpoints=[
             pb.Checkpoint(step=c.step, phase=c.phase, path=c.path, time=c.time,
-                          blocked_s=c.blocked_s, present=self.service.checkpoint_present(name, c))
-            for c in self.service.checkpoints(name)])
+                          blocked_s=c.blocked_s, present=self.service.checkpoint_present(name, c),
+                          detail=c.detail)
+            for c in rows], changes=changes)
 
     def SaveCheckpoint(self, request: pb.SaveCheckpointRequest,
                        context: grpc.ServicerContext) -> pb.SaveCheckpointResponse:

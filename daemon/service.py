@@ -14,27 +14,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ds3d.checkpoints.identity import new_job_id, write_local_job_id
 from ds3d.trainer.config import JobConfig, validate_job
 from ds3d.trainer.errors import ConfigError, NotFoundError, StateError
 from ds3d.trainer.memory_model import NodeResources
-from ds3d.trainer.partition import (
-    CALIBRATION_STEPS,
-    LayerCost,
-    Proposal,
-    current_partition,
-    fmt_boundaries,
-    memory_model,
-    merge_profile_records,
-    propose,
-)
+from ds3d.trainer.partition import (CALIBRATION_STEPS, LayerCost, Proposal, current_partition,
+                                    fmt_boundaries, memory_model, merge_profile_records, propose)
 
+from .ckpt_index import reconcile
 from .fit_check import check_fit
 from .jobdir import INJECT_KINDS, JobDir
 from .peers import PeerClient, check_peer_address
-from .preflight import preflight
 from .states import TERMINAL, JobState, check_action
 from .step_analysis import BUBBLE_TARGET, REDUCE_TO_FORWARD_TARGET
 from .store import CheckpointRow, Event, Job, Store
+from .preflight import preflight
 from .supervisor import Supervisors
 
 LOG_TAIL_MAX_BYTES = 256 * 1024
@@ -123,10 +117,14 @@ class JobService:
             for address in cfg.launch.hosts[1:]:
                 check_peer_address(address, self.peers.tls if self.peers else None)
         self.store.check_name_free(cfg.name)
-        preflight(cfg)  # last: its store check may create the job's prefix in the store
         jobdir = JobDir(self.jobs_root, cfg.name)
-        job = self.store.create_job(cfg.name, cfg.dump_json(), self.node, str(jobdir.path))
+        job_id = new_job_id()  # its store prefix and manifests name it (checkpoints/identity)
+        # last: its store check may create the job's prefix in the store
+        preflight(cfg, job_id=job_id, run_dir=jobdir.path)
+        job = self.store.create_job(cfg.name, cfg.dump_json(), self.node, str(jobdir.path),
+                                    job_id=job_id)
         jobdir.create(cfg.dump_json())
+        write_local_job_id(jobdir.path, job_id)
         self.supervisors.poke(cfg.name)
         return job
 
@@ -166,7 +164,7 @@ class JobService:
         self._require_desired_running(job, "roll back", allow_paused=True)
         if step < 0:
             raise ConfigError(f"rollback step={step}: a step is 0 or more")
-        usable = [c.step for c in self.checkpoints(name)
+        usable = [c.step for c in self.checkpoints(name)[0]
                   if c.phase in ("saved", "committed") and self.checkpoint_present(name, c)]
         if step not in usable:
             have = ", ".join(map(str, usable)) or "none yet (`ds3dctl save JOB` makes one)"
@@ -301,9 +299,16 @@ class JobService:
     def list_jobs(self, include_finished: bool) -> list[Job]:
         return [j for j in self.store.list_jobs() if include_finished or j.state not in TERMINAL]
 
-    def checkpoints(self, name: str) -> list[CheckpointRow]:
+    def checkpoints(self, name: str, verify: bool = False) -> tuple[list[CheckpointRow],
+                                                                    list[str]]:
+        """The index, and with `verify` first reconciled with the store, every file's size and
+        sha256 checked (daemon/ckpt_index.py): rows, and one line per change it made."""
         self.store.get_job(name)
-        return self.store.checkpoints(name)
+        changes: list[str] = []
+        if verify:
+            changes = reconcile(self.store, self.supervisors.ctx.metrics, name,
+                                checksums=True).lines()
+        return self.store.checkpoints(name), changes
 
     def checkpoint_present(self, name: str, row: CheckpointRow) -> bool:
         if not row.path or "://" in row.path:

@@ -63,7 +63,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     command_acked INTEGER NOT NULL DEFAULT 0,
     rollback_step INTEGER NOT NULL DEFAULT -1,
     done_reason TEXT NOT NULL DEFAULT '',
-    next_launch_at REAL NOT NULL DEFAULT 0
+    next_launch_at REAL NOT NULL DEFAULT 0,
+    job_id TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS transitions (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -104,9 +105,26 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     path TEXT NOT NULL,
     time REAL NOT NULL,
     blocked_s REAL NOT NULL DEFAULT 0,
+    detail TEXT NOT NULL DEFAULT '',
     PRIMARY KEY (job, step)
 );
 """
+# Columns added after the first release: (table, column, declaration), added to older files.
+_ADDED_COLUMNS = (
+    ("jobs", "job_id", "TEXT NOT NULL DEFAULT ''"),           # unique id (checkpoints/identity)
+    ("checkpoints", "detail", "TEXT NOT NULL DEFAULT ''"),    # why skipped/corrupt/failed/...
+)
+
+# Checkpoint index phases (docs/architecture.md): what the workers reported or the store showed.
+# A report never turns a committed row into anything but `skipped` (a restore passed it over) or
+# `deleted` (retention removed it), and a save or upload attempt of the same step (`saved`,
+# `failed`, `abandoned`) never hides that a committed or skipped checkpoint is in the store;
+# the reconciliation with the store (daemon/ckpt_index.py) sets whatever the store proves.
+_KEPT = ("phase IN ('committed', 'skipped') AND excluded.phase IN ('saved', 'failed', "
+         "'abandoned')")
+_PHASE_UPSERT = (
+    f"phase=CASE WHEN {_KEPT} THEN phase ELSE excluded.phase END, "
+    f"detail=CASE WHEN {_KEPT} THEN detail ELSE excluded.detail END")
 
 # done_reason (and event cause) of a job whose stored row this ds3dd could not read.
 QUARANTINED = "quarantined"
@@ -152,9 +170,10 @@ class Job:
     rollback_step: int
     done_reason: str
     next_launch_at: float
+    job_id: str = ""  # unique id, in its store prefix and manifests (checkpoints/identity.py)
 
     @classmethod
-    def from_row(cls, row: sqlite3.Row) -> Job:
+    def from_row(cls, row: sqlite3.Row) -> "Job":
         d = dict(row)
         d["state"] = JobState(d["state"])
         d["desired_state"] = JobState(d["desired_state"])
@@ -190,6 +209,7 @@ class CheckpointRow:
     path: str
     time: float
     blocked_s: float
+    detail: str = ""
 
 
 _EVENT_COLS = ("job", "time", "kind", "from_state", "to_state", "step", "rank", "node",
@@ -211,6 +231,10 @@ class Store:
         self._lock = threading.RLock()
         self.changed = threading.Condition(self._lock)
         self._db.executescript(SCHEMA)
+        for table, column, decl in _ADDED_COLUMNS:
+            have = {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}
+            if column not in have:
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
 
     def close(self) -> None:
         with self._lock:
@@ -235,7 +259,7 @@ class Store:
     # ---- jobs ------------------------------------------------------------------------------
 
     def create_job(self, name: str, config_json: str, node: str, run_dir: str,
-                   message: str = "accepted") -> Job:
+                   message: str = "accepted", job_id: str = "") -> Job:
         """Stores a new PENDING job and its first event; AlreadyExistsError if the name is taken
         (names are never reused: the job directory and its history keep the name)."""
         now = time.time()
@@ -243,9 +267,9 @@ class Store:
             self._check_name_free(db, name)
             db.execute(
                 "INSERT INTO jobs (name, config_json, state, desired_state, node, run_dir, "
-                "created_at, updated_at, message) VALUES (?,?,?,?,?,?,?,?,?)",
+                "created_at, updated_at, message, job_id) VALUES (?,?,?,?,?,?,?,?,?,?)",
                 (name, config_json, JobState.PENDING.value, JobState.RUNNING.value, node, run_dir,
-                 now, now, message))
+                 now, now, message, job_id))
             self._insert_event(db, {"job": name, "time": now, "kind": "state", "node": node,
                                     "to_state": JobState.PENDING.value, "message": message})
         return self.get_job(name)
@@ -295,7 +319,6 @@ class Store:
             if r["done_reason"] == QUARANTINED:
                 continue
             known = {s.value for s in JobState}
-            cause: str | None
             if r["state"] not in known or r["desired_state"] not in known:
                 cause = f"unknown state number {r['state']}/{r['desired_state']}"
             else:
@@ -382,14 +405,14 @@ class Store:
                 self._insert_event(db, {"job": name, **ev})
             for ck in checkpoints:
                 db.execute(
-                    "INSERT INTO checkpoints (job, step, phase, path, time, blocked_s) "
-                    "VALUES (?,?,?,?,?,?) ON CONFLICT(job, step) DO UPDATE SET "
-                    "phase=CASE WHEN phase='committed' THEN phase ELSE excluded.phase END, "
+                    "INSERT INTO checkpoints (job, step, phase, path, time, blocked_s, detail) "
+                    "VALUES (?,?,?,?,?,?,?) ON CONFLICT(job, step) DO UPDATE SET "
+                    f"{_PHASE_UPSERT}, "
                     "path=CASE WHEN excluded.path='' THEN path "
                     "ELSE excluded.path END, time=excluded.time, "
                     "blocked_s=MAX(blocked_s, excluded.blocked_s)",
                     (name, ck["step"], ck["phase"], ck.get("path", ""), ck["time"],
-                     ck.get("blocked_s", 0.0)))
+                     ck.get("blocked_s", 0.0), ck.get("detail", "")))
             for path, off in offsets.items():
                 db.execute("INSERT INTO offsets (job, path, offset) VALUES (?,?,?) "
                            "ON CONFLICT(job, path) DO UPDATE SET offset=excluded.offset",
@@ -444,6 +467,23 @@ class Store:
             if state in wanted:
                 total += max(0.0, (nxt[1] if nxt is not None else end) - since)
         return total
+
+    def reconcile_checkpoints(self, name: str, rows: Iterable[dict[str, Any]],
+                              events: Iterable[dict[str, Any]]) -> None:
+        """What the store proved about the index (daemon/ckpt_index.py): each row's phase and
+        detail set as given (path and blocked time kept), with one event per change, in one
+        transaction."""
+        with self._tx() as db:
+            self._job_locked(db, name)
+            for ck in rows:
+                db.execute(
+                    "INSERT INTO checkpoints (job, step, phase, path, time, detail) "
+                    "VALUES (?,?,?,?,?,?) ON CONFLICT(job, step) DO UPDATE SET "
+                    "phase=excluded.phase, detail=excluded.detail",
+                    (name, ck["step"], ck["phase"], ck.get("path", ""), ck["time"],
+                     ck.get("detail", "")))
+            for ev in events:
+                self._insert_event(db, {"job": name, **ev})
 
     def checkpoints(self, name: str) -> list[CheckpointRow]:
         with self._lock:

@@ -5,6 +5,7 @@ a real store (file, and Ceph RGW where installed)."""
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.request
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 
 from ds3d.checkpoints import layout
 from ds3d.checkpoints.catalog import Catalog
+from ds3d.checkpoints.manifest import PartManifest
 from ds3d.checkpoints.storage import Storage, open_storage
 from ds3d.checkpoints.upload import commit_checkpoint, upload_rank_files
 
@@ -168,3 +170,89 @@ def test_stale_multipart_uploads_and_uncommitted_steps_are_swept(
     assert [o.key for o in storage.list(layout.step_prefix(2))] == []
     assert catalog.verify(4) == []
 
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_real_job_tells_skips_failed_cleanups_and_leftovers(tmp_path: Path) -> None:
+    """Items 3, 5 and 6 with the real trainer and a file store. Planted before the start: a
+    part of another job inside step 2 (so retention can never delete step 2: a failed cleanup,
+    every commit) and the leftovers of an interrupted save two hours ago (an uncommitted step 1
+    and a `.tmp-ds3d-` file). Then the newest checkpoint is corrupted (same size) in the store
+    and the local tier, and the job resumed: the restore skips it."""
+    store_dir = tmp_path / "store"
+    prefix = store_dir / "truth"
+    (prefix / "ckpt" / "step-00000002" / "parts").mkdir(parents=True)
+    (prefix / "ckpt" / "step-00000002" / "parts" / "rank-00007.json").write_bytes(
+        PartManifest(step=2, rank=7, job_id="f" * 32, created=time.time(),
+                     files=[]).model_dump_json().encode())
+    leftovers = prefix / "ckpt" / "step-00000001" / "files" / "global_step1"
+    leftovers.mkdir(parents=True)
+    (leftovers / "mp_rank_00_model_states.pt").write_bytes(b"half" * 100)
+    (leftovers / ".tmp-ds3d-0badc0de").write_bytes(b"torn")
+    old = time.time() - 7200
+    for f in leftovers.iterdir():
+        os.utime(f, (old, old))
+
+    d = DaemonProc(tmp_path / "state", args=["--hang-timeout", "300", "--metrics-port",
+                                             str(free_port())])
+    try:
+        d.start()
+        start(d, "truth", train={"steps": 10**6}, parallel={"tp": 1, "pp": 1, "dp": 1},
+              checkpoint={"store": f"file://{store_dir}", "interval": 2, "keep_last": 1})
+
+        def four_commits() -> dict[int, dict[str, Any]] | None:
+            job = d.job("truth")
+            assert job["state"] in ("PENDING", "STARTING", "RUNNING"), (
+                job, d.ctl("logs", "truth", "--lines", "40").stdout)
+            c = checkpoints(d, "truth")  # retention leaves 2 (undeletable) and the newest
+            done = [r for r in c.values() if r["phase"] in ("committed", "deleted")]
+            return c if len(done) >= 4 else None
+
+        rows = wait("4 commits", four_commits, timeout_s=400)
+        assert d.ctl("pause", "truth").returncode == 0
+        d.wait_state("truth", "PAUSED", timeout_s=300)
+        events = d.event_details("truth")
+
+        # item 6: the failed cleanup is an event of its own; no checkpoint changed its state
+        failed = [e for e in events if e["kind"] == "checkpoint"
+                  and e["detail"].get("phase") == "cleanup_failed"]
+        assert failed and {e["step"] for e in failed} == {2} and failed[0]["cause"] == "retention"
+        assert "no checkpoint's state changed" in failed[0]["message"]
+        assert "not deleted" in failed[0]["message"]
+        rows = checkpoints(d, "truth")
+        assert rows[2]["phase"] == "committed" and (prefix / layout.manifest_key(2)).is_file()
+        assert not [s for s, r in rows.items() if r["phase"] == "failed"]
+        assert metric(d, "ds3d_checkpoint_problems_total", job="truth",
+                      problem="cleanup_failed") == len(failed)
+        # item 5: the leftovers older than the grace period (1 h) are gone
+        assert not (prefix / "ckpt" / "step-00000001").exists()
+        assert any(e["detail"].get("phase") == "swept" for e in events)
+
+        # item 3: the newest checkpoint, corrupted everywhere, is skipped by the restore
+        newest = max(s for s, r in rows.items() if r["phase"] == "committed")
+        manifest = json.loads((prefix / layout.manifest_key(newest)).read_text())
+        shard = max(manifest["files"], key=lambda f: f["size"])["path"]
+        for path in (prefix / layout.file_key(newest, shard),
+                     d.state_dir / "jobs" / "truth" / "ckpt" / shard):
+            data = bytearray(path.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            path.write_bytes(bytes(data))
+        assert d.ctl("resume", "truth").returncode == 0
+        skipped = wait("the skip event", lambda: [
+            e for e in d.event_details("truth") if e["kind"] == "checkpoint"
+            and e["detail"].get("phase") == "skipped"], timeout_s=300)
+        rows = checkpoints(d, "truth")  # the job re-trains from an older step meanwhile: its
+        assert d.ctl("stop", "truth", "--now").returncode == 0  # re-save of it cannot hide this
+        assert skipped[0]["step"] == newest and skipped[0]["cause"] == "corrupt"
+        assert "skipped by the restore (corrupt)" in skipped[0]["message"]
+        assert rows[newest]["phase"] == "skipped" and shard in rows[newest]["detail"]
+        assert metric(d, "ds3d_checkpoint_problems_total", job="truth", problem="skipped") >= 1
+        loaded = wait("the restore", lambda: [
+            e for e in d.event_details("truth") if e["kind"] == "checkpoint"
+            and e["detail"].get("phase") == "loaded"], timeout_s=120)
+        assert loaded[-1]["step"] < newest  # resumed from an older, intact checkpoint
+        text = d.ctl("checkpoints", "truth").stdout
+        assert f"step {newest:<8} skipped" in text
+    finally:
+        d.stop()
+        kill_job_processes(d.state_dir)

@@ -67,6 +67,10 @@ def test_a_report_never_fails_a_committed_row_but_a_skip_shows(tmp_path: Path) -
     ingest(store, (20, "skipped"), (10, "deleted"))
     assert phases(store) == {10: "deleted", 20: "skipped"}
     assert store.checkpoints("idx")[1].detail == "skipped detail"
+    ingest(store, (20, "saved"), (20, "failed"))  # a re-save of the step the store refuses
+    assert phases(store)[20] == "skipped" and store.checkpoints("idx")[1].detail == "skipped detail"
+    ingest(store, (20, "committed"), (10, "saved"))  # deleted, then saved and committed again
+    assert phases(store) == {10: "saved", 20: "committed"}
 
 
 def test_reconcile_sets_what_the_store_proves(tmp_path: Path) -> None:
