@@ -18,17 +18,25 @@ from ds3d.checkpoints.identity import new_job_id, write_local_job_id
 from ds3d.trainer.config import JobConfig, validate_job
 from ds3d.trainer.errors import ConfigError, NotFoundError, StateError
 from ds3d.trainer.memory_model import NodeResources
-from ds3d.trainer.partition import (CALIBRATION_STEPS, LayerCost, Proposal, current_partition,
-                                    fmt_boundaries, memory_model, merge_profile_records, propose)
+from ds3d.trainer.partition import (
+    CALIBRATION_STEPS,
+    LayerCost,
+    Proposal,
+    current_partition,
+    fmt_boundaries,
+    memory_model,
+    merge_profile_records,
+    propose,
+)
 
 from .ckpt_index import reconcile
 from .fit_check import check_fit
 from .jobdir import INJECT_KINDS, JobDir
 from .peers import PeerClient, check_peer_address
+from .preflight import preflight
 from .states import TERMINAL, JobState, check_action
 from .step_analysis import BUBBLE_TARGET, REDUCE_TO_FORWARD_TARGET
 from .store import CheckpointRow, Event, Job, Store
-from .preflight import preflight
 from .supervisor import Supervisors
 
 LOG_TAIL_MAX_BYTES = 256 * 1024

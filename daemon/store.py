@@ -173,7 +173,7 @@ class Job:
     job_id: str = ""  # unique id, in its store prefix and manifests (checkpoints/identity.py)
 
     @classmethod
-    def from_row(cls, row: sqlite3.Row) -> "Job":
+    def from_row(cls, row: sqlite3.Row) -> Job:
         d = dict(row)
         d["state"] = JobState(d["state"])
         d["desired_state"] = JobState(d["desired_state"])
@@ -319,6 +319,7 @@ class Store:
             if r["done_reason"] == QUARANTINED:
                 continue
             known = {s.value for s in JobState}
+            cause: str | None
             if r["state"] not in known or r["desired_state"] not in known:
                 cause = f"unknown state number {r['state']}/{r['desired_state']}"
             else:
