@@ -131,12 +131,16 @@ class DaemonProc:
     def start(self, timeout_s: float = 30.0) -> DaemonProc:
         addr_file = self.state_dir / "ds3dd.addr"
         addr_file.unlink(missing_ok=True)
-        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
+        # stdout to a file, not a pipe: a pipe nobody reads fills (64 KiB) and then blocks the
+        # daemon inside its logger, hanging every RPC of a long or chatty test
+        self.output = self.state_dir.parent / f"{self.state_dir.name}.stdout"
+        with open(self.output, "ab") as out:
+            self.proc = subprocess.Popen(self.argv, env=self.env, stdout=out,
+                                         stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + timeout_s
         while not addr_file.exists():
             if self.proc.poll() is not None:
-                raise RuntimeError(f"ds3dd exited: {self.proc.stdout.read()}")  # type: ignore
+                raise RuntimeError(f"ds3dd exited: {self.output.read_text(errors='replace')}")
             if time.monotonic() > deadline:
                 raise TimeoutError("ds3dd did not start")
             time.sleep(0.05)
@@ -164,8 +168,6 @@ class DaemonProc:
                 self.proc.wait(15)
             except subprocess.TimeoutExpired:
                 self.kill()
-        if self.proc is not None and self.proc.stdout is not None:
-            self.proc.stdout.close()
 
     def stub(self) -> tuple[grpc.Channel, pb_grpc.ControlStub]:
         channel = grpc.insecure_channel(self.addr)
