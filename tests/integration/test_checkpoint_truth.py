@@ -229,14 +229,18 @@ def test_a_real_job_tells_skips_failed_cleanups_and_leftovers(tmp_path: Path) ->
         assert any(e["detail"].get("phase") == "swept" for e in events)
 
         # item 3: the newest checkpoint, corrupted everywhere, is skipped by the restore
-        newest = max(s for s, r in rows.items() if r["phase"] == "committed")
+        stored = Catalog(open_storage(f"file://{prefix}"), None).list()  # the pause's save may
+        newest = max(c.step for c in stored if c.state.value == "committed")  # be newer than rows
         manifest = json.loads((prefix / layout.manifest_key(newest)).read_text())
         shard = max(manifest["files"], key=lambda f: f["size"])["path"]
-        for path in (prefix / layout.file_key(newest, shard),
-                     d.state_dir / "jobs" / "truth" / "ckpt" / shard):
-            data = bytearray(path.read_bytes())
-            data[len(data) // 2] ^= 0xFF
-            path.write_bytes(bytes(data))
+        # the file store hard-links the local tier's file: the stored object gets new bytes
+        # under a new inode, and the local copy goes, so the restore must read the store
+        stored_file = prefix / layout.file_key(newest, shard)
+        data = bytearray(stored_file.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        (tmp_path / "flipped").write_bytes(bytes(data))
+        os.replace(tmp_path / "flipped", stored_file)
+        (d.state_dir / "jobs" / "truth" / "ckpt" / shard).unlink()
         assert d.ctl("resume", "truth").returncode == 0
         skipped = wait("the skip event", lambda: [
             e for e in d.event_details("truth") if e["kind"] == "checkpoint"
