@@ -22,7 +22,9 @@ log = get_logger("ds3d.rpc")
 
 
 class UnauthenticatedError(PermissionError_):
-    """No credentials at all (no bearer token); a wrong token stays PERMISSION_DENIED."""
+    """Missing or unknown credentials (no bearer token, a token this daemon does not know):
+    UNAUTHENTICATED, as gRPC defines it; a valid credential of the wrong principal (a client on
+    a peer RPC) is PERMISSION_DENIED."""
 
     grpc_code = "UNAUTHENTICATED"
 
