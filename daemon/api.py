@@ -14,7 +14,7 @@ import json
 import math
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import grpc
 
@@ -28,6 +28,8 @@ from .logging import get_logger
 from .peers import PeerClient, Shares
 from .service import JobService, Rebalance, parse_config
 from .store import Event, Job
+
+R = TypeVar("R")  # a forwarded RPC's answer type
 
 VERSION = "0.1.0"
 _TERMINAL = (pb.COMPLETED, pb.FAILED, pb.STOPPED)
@@ -90,7 +92,8 @@ def job_to_proto(job: Job, split: dict[str, Any] | None = None) -> pb.JobStatus:
             config_json=job.config_json)
     eta = (total - job.step) * job.step_time_s if job.step_time_s > 0 and cfg else -1.0
     return pb.JobStatus(
-        spec=spec, state=job.state.value, desired_state=job.desired_state.value,
+        spec=spec, state=cast("pb.JobState.ValueType", job.state.value),
+        desired_state=cast("pb.JobState.ValueType", job.desired_state.value),
         step=job.step, loss=job.loss if job.loss is not None else math.nan,
         tokens_per_s=job.tokens_per_s, step_time_s=job.step_time_s,
         eta_s=eta if job.state.live else 0.0, restarts=job.restarts,
@@ -121,8 +124,10 @@ def rebalance_to_proto(r: Rebalance) -> pb.RebalanceResponse:
 
 def event_to_proto(ev: Event) -> pb.Event:
     return pb.Event(
-        seq=ev.seq, job=ev.job, time=ev.time, kind=ev.kind, from_state=ev.from_state,
-        to_state=ev.to_state, step=ev.step, rank=ev.rank, node=ev.node, restart=ev.restart,
+        seq=ev.seq, job=ev.job, time=ev.time, kind=ev.kind,
+        from_state=cast("pb.JobState.ValueType", ev.from_state),
+        to_state=cast("pb.JobState.ValueType", ev.to_state), step=ev.step, rank=ev.rank,
+        node=ev.node, restart=ev.restart,
         cause=ev.cause, message=ev.message,
         loss=ev.loss if ev.loss is not None else math.nan,
         tokens_per_s=ev.tokens_per_s if ev.tokens_per_s is not None else 0.0,
@@ -145,10 +150,14 @@ class ControlServicer(pb_grpc.ControlServicer):
             return None
         return self.shares.head_address(_name(name))
 
-    def _forwarded(self, method: str, request: Any) -> Any:
-        """The head's answer to `request` when the job is headed elsewhere, else None."""
+    def _forwarded(self, method: str, request: Any, answer: type[R]) -> R | None:
+        """The head's answer (an `answer`) to `request` when the job is headed elsewhere, else
+        None."""
         head = self._head(getattr(request, "name", ""))
-        return None if head is None else self.peers.forward(head, method, request)  # type: ignore[union-attr]
+        if head is None:
+            return None
+        resp: R = self.peers.forward(head, method, request)  # type: ignore[union-attr]
+        return resp
 
     def StartJob(self, request: pb.StartJobRequest,
                  context: grpc.ServicerContext) -> pb.StartJobResponse:
@@ -159,27 +168,27 @@ class ControlServicer(pb_grpc.ControlServicer):
 
     def PauseJob(self, request: pb.PauseJobRequest,
                  context: grpc.ServicerContext) -> pb.JobResponse:
-        if (fwd := self._forwarded("PauseJob", request)) is not None:
+        if (fwd := self._forwarded("PauseJob", request, pb.JobResponse)) is not None:
             return fwd
         return pb.JobResponse(job=job_to_proto(self.service.pause(_name(request.name),
                                                                   request.fast)))
 
     def ResumeJob(self, request: pb.ResumeJobRequest,
                   context: grpc.ServicerContext) -> pb.JobResponse:
-        if (fwd := self._forwarded("ResumeJob", request)) is not None:
+        if (fwd := self._forwarded("ResumeJob", request, pb.JobResponse)) is not None:
             return fwd
         return pb.JobResponse(job=job_to_proto(self.service.resume(_name(request.name))))
 
     def StopJob(self, request: pb.StopJobRequest,
                 context: grpc.ServicerContext) -> pb.JobResponse:
-        if (fwd := self._forwarded("StopJob", request)) is not None:
+        if (fwd := self._forwarded("StopJob", request, pb.JobResponse)) is not None:
             return fwd
         return pb.JobResponse(job=job_to_proto(self.service.stop(_name(request.name),
                                                                  request.now)))
 
     def GetJob(self, request: pb.JobRef,
                context: grpc.ServicerContext) -> pb.JobResponse:
-        if (fwd := self._forwarded("GetJob", request)) is not None:
+        if (fwd := self._forwarded("GetJob", request, pb.JobResponse)) is not None:
             return fwd
         name = _name(request.name)
         return pb.JobResponse(job=job_to_proto(self.service.get(name),
@@ -193,10 +202,13 @@ class ControlServicer(pb_grpc.ControlServicer):
             if self._head(name) is None:
                 continue
             try:
-                job = self._forwarded("GetJob", pb.JobRef(name=name)).job
+                answer = self._forwarded("GetJob", pb.JobRef(name=name), pb.JobResponse)
             except Ds3dError as e:
                 log.info("shared job not listed", job=name, error=str(e))
                 continue
+            if answer is None:  # headed here after all (the share ended meanwhile)
+                continue
+            job = answer.job
             if request.include_finished or job.state not in _TERMINAL:
                 jobs.append(job)
         return pb.ListJobsResponse(jobs=jobs)
@@ -213,7 +225,8 @@ class ControlServicer(pb_grpc.ControlServicer):
 
     def ListCheckpoints(self, request: pb.ListCheckpointsRequest,
                         context: grpc.ServicerContext) -> pb.ListCheckpointsResponse:
-        if (fwd := self._forwarded("ListCheckpoints", request)) is not None:
+        fwd = self._forwarded("ListCheckpoints", request, pb.ListCheckpointsResponse)
+        if fwd is not None:
             return fwd
         name = _name(request.name)
         rows, changes = self.service.checkpoints(name, verify=request.verify)
@@ -225,13 +238,14 @@ class ControlServicer(pb_grpc.ControlServicer):
 
     def SaveCheckpoint(self, request: pb.SaveCheckpointRequest,
                        context: grpc.ServicerContext) -> pb.SaveCheckpointResponse:
-        if (fwd := self._forwarded("SaveCheckpoint", request)) is not None:
+        fwd = self._forwarded("SaveCheckpoint", request, pb.SaveCheckpointResponse)
+        if fwd is not None:
             return fwd
         return pb.SaveCheckpointResponse(command_id=self.service.save(_name(request.name)))
 
     def Rollback(self, request: pb.RollbackRequest,
                  context: grpc.ServicerContext) -> pb.JobResponse:
-        if (fwd := self._forwarded("Rollback", request)) is not None:
+        if (fwd := self._forwarded("Rollback", request, pb.JobResponse)) is not None:
             return fwd
         return pb.JobResponse(job=job_to_proto(self.service.rollback(_name(request.name),
                                                                      request.step)))
@@ -246,7 +260,7 @@ class ControlServicer(pb_grpc.ControlServicer):
 
     def InjectFault(self, request: pb.InjectFaultRequest,
                     context: grpc.ServicerContext) -> pb.InjectFaultResponse:
-        if (fwd := self._forwarded("InjectFault", request)) is not None:
+        if (fwd := self._forwarded("InjectFault", request, pb.InjectFaultResponse)) is not None:
             return fwd
         inj = self.service.inject(_name(request.name), request.kind, request.rank,
                                   request.at_step)
@@ -254,7 +268,7 @@ class ControlServicer(pb_grpc.ControlServicer):
 
     def Rebalance(self, request: pb.RebalanceRequest,
                   context: grpc.ServicerContext) -> pb.RebalanceResponse:
-        if (fwd := self._forwarded("Rebalance", request)) is not None:
+        if (fwd := self._forwarded("Rebalance", request, pb.RebalanceResponse)) is not None:
             return fwd
         return rebalance_to_proto(self.service.rebalance(_name(request.name), request.dry_run))
 

@@ -25,7 +25,9 @@ def preflight(cfg: JobConfig, job_id: str = "", run_dir: Path | None = None) -> 
     before anything is written there, and once every check has passed the job claims it;
     `run_dir` is where the default file store would be."""
     source = cfg.data.source
-    if source != "synthetic" and not is_readable_file(source) and not cfg.launch.hosts[1:]:
+    # "indexed": the blend's files were opened by validate_job
+    if source not in ("synthetic", "indexed") and not is_readable_file(source) \
+            and not cfg.launch.hosts[1:]:
         raise ConfigError(f"data.source={source!r} does not exist on this node; give the path of "
                           "a token file every node can read (see `python -m ds3d.trainer.data "
                           "encode`)")

@@ -109,10 +109,10 @@ class JobSupervisor:
         job = self.store.get_job(name)
         self._goodput = Goodput()
         self.incidents = IncidentClock()
-        self.failures = FailureHistory(ctx.store, name)
         # the checkpoint index against the store: now (a daemon (re)start), after trouble
         self.index = IndexReconciler(ctx.store, ctx.metrics, name)
         self.index.request("the daemon started supervising the job")
+        self.failures = FailureHistory(ctx.store, name)
         self._world = job.world_size  # processes of the running group; 0 before the first start
         if job.agent_pid:
             self.agent = Launcher.attach(self.jobdir.path, job.attempt, job.agent_pid,
