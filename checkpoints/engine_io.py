@@ -66,19 +66,25 @@ class Rank:
     dp: int
 
 
+def open_job_storage(cfg: JobConfig, run_dir: Path) -> Storage:
+    """The job's durable tier, opened with its `[checkpoint.s3]` transfer settings (set fields
+    win over the daemon's DS3D_S3_* environment); nothing is read from it yet."""
+    url = job_store_url(cfg.checkpoint.store, cfg.name, run_dir)
+    options: dict[str, Any] = {}
+    if url.startswith("s3://"):
+        from .s3_storage import options_from_settings
+
+        options = options_from_settings(cfg.checkpoint.s3.model_dump())
+    return open_storage(url, **options)
+
+
 class CheckpointManager:
     def __init__(self, cfg: JobConfig, run_dir: Path, me: Rank, device: torch.device,
                  emit: Emit) -> None:
         self.cfg, self.me, self.device, self.emit = cfg, me, device, emit
         self.local_dir = Path(cfg.checkpoint.local_dir or Path(run_dir) / "ckpt")
         self.local_dir.mkdir(parents=True, exist_ok=True)
-        url = job_store_url(cfg.checkpoint.store, cfg.name, run_dir)
-        options: dict[str, Any] = {}
-        if url.startswith("s3://"):
-            from .s3_storage import options_from_settings
-
-            options = options_from_settings(cfg.checkpoint.s3.model_dump())
-        self.storage: Storage = open_storage(url, **options)
+        self.storage: Storage = open_job_storage(cfg, Path(run_dir))
         # before anything is read or written: whose prefix is this (identity.py)
         self.job_id = self._agree_job_id(Path(run_dir))
         if me.rank == 0:

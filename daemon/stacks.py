@@ -29,7 +29,16 @@ import psutil
 
 # frames of a rank that is waiting on its peers (a collective or a pipeline send/recv)
 _WAITING = ("distributed_c10d.py", "/pipe/p2p.py", "torch/distributed/")
+# frames of torch's elastic machinery every worker has at the bottom of its stack (the entry's
+# @record wrapper): not a sign of waiting
+_NOT_WAITING = ("torch/distributed/elastic/",)
 _MAX_STACK_CHARS = 12000
+
+
+def _waiting(stack: str) -> bool:
+    """A frame of the stack waits on a peer (a collective or a pipeline send/recv)."""
+    return any(w in line and not any(n in line for n in _NOT_WAITING)
+               for line in stack.splitlines() for w in _WAITING)
 
 
 def local_workers(run_dir: Path) -> dict[int, tuple[int, int]]:
@@ -175,5 +184,5 @@ def dump_stacks(run_dir: Path, attempt: int, timeout_s: float = 10.0,
 def suspects(dump: StackDump) -> list[int]:
     """The suspect ranks, first suspect first: those that did not answer, then those whose
     stacks are not waiting on a peer (no collective / p2p frame)."""
-    quiet = sorted(r for r, text in dump.stacks.items() if not any(w in text for w in _WAITING))
+    quiet = sorted(r for r, text in dump.stacks.items() if not _waiting(text))
     return sorted(dump.unanswered) + quiet

@@ -347,10 +347,9 @@ def test_transfer_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch,
 def test_transfer_settings_from_the_job_config(monkeypatch: pytest.MonkeyPatch,
                                                aws_env: None, tmp_path: Path) -> None:
     """`[checkpoint.s3]` in the job config: what the workers' CheckpointManager opens the
-    store with; set fields win over the daemon's DS3D_S3_* environment, unset ones fall back."""
-    import torch
-
-    from ds3d.checkpoints.engine_io import CheckpointManager, Rank
+    store with (open_job_storage); set fields win over the daemon's DS3D_S3_* environment,
+    unset ones fall back. Nothing is sent: the endpoint is unreachable on purpose."""
+    from ds3d.checkpoints.engine_io import open_job_storage
     from ds3d.trainer.config import build_job_config
 
     monkeypatch.setenv("DS3D_S3_ENDPOINT", "http://127.0.0.1:9")
@@ -360,15 +359,12 @@ def test_transfer_settings_from_the_job_config(monkeypatch: pytest.MonkeyPatch,
                                     "checkpoint.s3.multipart_chunksize_mib=16",
                                     "checkpoint.s3.max_bandwidth_mib=0",
                                     "checkpoint.s3.outage_retries=4"])
-    mgr = CheckpointManager(cfg, tmp_path, Rank(0, 1, 0, 1, 1, 1), torch.device("cpu"),
-                            lambda *a, **k: None)
-    storage = mgr.storage
+    storage = open_job_storage(cfg, tmp_path)
     assert isinstance(storage, S3Storage) and storage.prefix == "runs/tiny/"
     assert storage.transfer.multipart_chunksize == 16 << 20
     assert storage.transfer.max_bandwidth is None  # 0 = unlimited
     assert storage.outage_retries == 4  # the config wins over DS3D_S3_OUTAGE_RETRIES
     assert storage.transfer.max_concurrency == 3  # unset: from the environment
-    mgr.uploader.close(timeout=5)
     with pytest.raises(ConfigError, match="multipart_chunksize_mib"):
         build_job_config("tiny", ["checkpoint.s3.multipart_chunksize_mib=1"])
 
