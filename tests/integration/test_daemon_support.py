@@ -134,6 +134,7 @@ class DaemonProc:
         # stdout to a file, not a pipe: a pipe nobody reads fills (64 KiB) and then blocks the
         # daemon inside its logger, hanging every RPC of a long or chatty test
         self.output = self.state_dir.parent / f"{self.state_dir.name}.stdout"
+        self.output.parent.mkdir(parents=True, exist_ok=True)
         with open(self.output, "ab") as out:
             self.proc = subprocess.Popen(self.argv, env=self.env, stdout=out,
                                          stderr=subprocess.STDOUT, text=True)
