@@ -128,7 +128,9 @@ def test_two_daemons_run_one_job(nodes, tmp_path):
 
     channel, stub = b.stub()
     try:
-        status = stub.NodeStatus(pb.NodeStatusRequest(), metadata=b.md(), timeout=10)
+        # NodeStatus is a node-to-node call: asked as the head asks it, with the peer token
+        status = stub.NodeStatus(pb.NodeStatusRequest(), timeout=10, metadata=[
+            ("authorization", f"Bearer {b.peer_token}")])
     finally:
         channel.close()
     assert status.node == "node-b" and [s.job for s in status.shares] == ["mn"]
