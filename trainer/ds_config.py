@@ -65,23 +65,7 @@ class _DataParallelGroup:
 def deepspeed_verdict(ds: dict[str, Any], dp: int) -> str | None:
     """DeepSpeed's own config parser on `ds` as rank 0 of `dp` data-parallel ranks, without a
     process group. None when it accepts the config, else its message (one line)."""
-    import deepspeed.comm as ds_comm
-    from deepspeed.runtime.config import DeepSpeedConfig
-
-    quiet = logging.getLogger("DeepSpeed")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
-    saved = ds_comm.get_rank
-    ds_comm.get_rank = lambda *a, **k: 0  # type: ignore[assignment]
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            DeepSpeedConfig(dict(ds), mpu=_DataParallelGroup(dp))
-    except Exception as e:  # noqa: BLE001 - any refusal of DeepSpeed's parser is the verdict
-        return _one_line(e)
-    finally:
-        ds_comm.get_rank = saved  # type: ignore[assignment]
-        quiet.setLevel(level)
-    return None
+    return _parse_verdict(dict(ds), dp)
 
 
 def check_with_deepspeed(cfg: Any) -> dict[str, Any]:
@@ -98,6 +82,12 @@ def check_with_deepspeed(cfg: Any) -> dict[str, Any]:
 def deepspeed_file_verdict(path: str, dp: int) -> str | None:
     """DeepSpeed's own parser on a raw config file, as `deepspeed.initialize` would read it
     (hjson) at `dp` data-parallel ranks: None if it accepts the file, else its message."""
+    return _parse_verdict(path, dp)
+
+
+def _parse_verdict(config: dict[str, Any] | str, dp: int) -> str | None:
+    """DeepSpeedConfig(config) as rank 0 of `dp` ranks (get_rank patched: no process group),
+    quietly; None when accepted, else the refusal in one line."""
     import deepspeed.comm as ds_comm
     from deepspeed.runtime.config import DeepSpeedConfig
 
@@ -108,7 +98,7 @@ def deepspeed_file_verdict(path: str, dp: int) -> str | None:
     ds_comm.get_rank = lambda *a, **k: 0  # type: ignore[assignment]
     try:
         with contextlib.redirect_stdout(io.StringIO()):
-            DeepSpeedConfig(path, mpu=_DataParallelGroup(dp))
+            DeepSpeedConfig(config, mpu=_DataParallelGroup(dp))
     except Exception as e:  # noqa: BLE001 - any refusal of DeepSpeed's parser is the verdict
         return _one_line(e)
     finally:
