@@ -14,6 +14,7 @@ ds3dd reattaches to them, as after a crash or SIGKILL).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import signal
 import socket
@@ -118,6 +119,9 @@ def main(argv: list[str] | None = None) -> None:
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
+    # `kill -USR1 <ds3dd>` prints every thread's stack to stderr (the journal under systemd):
+    # where a supervisor or an RPC is stuck, without stopping anything
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     resumed = daemon.resume_drained()
     if resumed:
         get_logger("ds3d.daemon").info("resuming jobs paused at the last shutdown", jobs=resumed)

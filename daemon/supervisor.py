@@ -37,6 +37,7 @@ from ds3d.trainer.oom import CgroupMemory
 from ds3d.v1 import control_pb2 as pb
 
 from .ckpt_index import IndexReconciler
+from .commands import Action, Command
 from .detectors import AgentExitDetector, Detector, Fault, HangDetector, StartupDetector
 from .disk import DiskWatch
 from .extension_cache import cache_roots, job_extensions_dir
@@ -178,12 +179,24 @@ class JobSupervisor:
         agent_running = self.agent is not None and agent_exit is None
 
         if want in (JobState.STOPPED, JobState.PAUSED):
+            hung = next((f for f in faults if f.cause in ("hang", "startup_timeout")), None)
+            if agent_running and hung is not None:
+                # workers that cannot obey the request: it is carried out without them (no
+                # restart); nothing is lost that a restart would have kept
+                self._record_fault(job, hung)
+                self._kill_agent(now=True)
+                self._to(want, f"{want.name.lower()} on request without the workers' final "
+                         f"checkpoint ({hung.message}); the newest committed checkpoint (step "
+                         f"{job.last_ckpt_step}) is kept", cause=hung.cause, agent_pid=0,
+                         agent_started=0)
+                return
             if agent_running:
                 self._deliver_command(job)
                 return
             if s is JobState.PAUSED and want is JobState.PAUSED:
                 return
-            if job.command_action != "stop_now" and self._peers_busy(job):
+            if Command.decode(job.command_action) != Command(Action.STOP_NOW) and \
+                    self._peers_busy(job):
                 return  # their ranks may still be committing the checkpoint
             if job.done_reason == "completed" and agent_exit == 0:
                 # the last step came before the workers read the pause/stop command
@@ -240,16 +253,7 @@ class JobSupervisor:
             return
 
         for fault in faults:
-            if fault.cause == "hang":
-                fault = self._with_stacks(job, fault)
-            extra: dict[str, Any] = {"rank": fault.rank}
-            if fault.step is not None:
-                extra["step"] = fault.step
-            if fault.detail:
-                extra["detail"] = fault.detail
-            self.store.record(self.name, fault.kind, fault.message, cause=fault.cause, **extra)
-            self.ctx.metrics.faults.labels(self.name, fault.cause).inc()
-            self.log.warning(fault.kind, cause=fault.cause, detail=fault.message, step=job.step)
+            fault = self._record_fault(job, fault)
             if fault.restart:
                 self._restart_or_fail(job, fault)
                 return
@@ -257,6 +261,21 @@ class JobSupervisor:
                 self._kill_agent(now=True)
                 self._to(JobState.FAILED, fault.message, cause=fault.cause, agent_pid=0)
                 return
+
+    def _record_fault(self, job: Job, fault: Fault) -> Fault:
+        """The fault's event (a hang's with the ranks' stacks), metric and log line; returns
+        the fault as recorded."""
+        if fault.cause == "hang":
+            fault = self._with_stacks(job, fault)
+        extra: dict[str, Any] = {"rank": fault.rank}
+        if fault.step is not None:
+            extra["step"] = fault.step
+        if fault.detail:
+            extra["detail"] = fault.detail
+        self.store.record(self.name, fault.kind, fault.message, cause=fault.cause, **extra)
+        self.ctx.metrics.faults.labels(self.name, fault.cause).inc()
+        self.log.warning(fault.kind, cause=fault.cause, detail=fault.message, step=job.step)
+        return fault
 
     def _with_stacks(self, job: Job, fault: Fault) -> Fault:
         """A hang fault with the Python stacks of this node's ranks (taken before the kill),
@@ -390,18 +409,16 @@ class JobSupervisor:
         `stop_now` that the workers did not obey within the grace period."""
         if not job.command_id or job.command_acked >= job.command_id:
             return
+        command = Command.decode(job.command_action)
         current = self.jobdir.command()
         if current is None or int(current.get("id", 0)) < job.command_id:
-            extra: dict[str, Any] = {"fast": True} if job.command_action == "pause_fast" else {}
-            action = "pause" if job.command_action == "pause_fast" else job.command_action
-            if action.startswith("repartition:"):  # ds3dctl rebalance: "repartition:0,6,10"
-                action, bounds = action.split(":", 1)
-                extra = {"boundaries": [int(b) for b in bounds.split(",")]}
-            self.jobdir.write_command(job.command_id, action, **extra)
+            if command is None:
+                raise ValueError(f"command {job.command_id} is pending but none is stored")
+            self.jobdir.write_command(job.command_id, command)
             self.forward_control("command.json", self.jobdir.command_file.read_text())
-            self.log.info("command written", id=job.command_id, action=action)
+            self.log.info("command written", id=job.command_id, action=str(command.action))
             return
-        if job.command_action == "stop_now" and \
+        if command == Command(Action.STOP_NOW) and \
                 time.time() - float(current.get("time", 0)) > self.ctx.stop_now_grace_s:
             self.log.info("stop --now: terminating the agent")
             self._kill_agent(now=True)
@@ -440,7 +457,7 @@ class JobSupervisor:
         if not cfg.elastic or self._world >= cfg.parallel.world_size:
             return
         pending = job.command_acked < job.command_id
-        if pending and job.command_action == "restart":
+        if pending and Command.decode(job.command_action) == Command(Action.RESTART):
             return  # ours, under way
         back = self._returning.poll(self.name, self._peer_addresses(job))
         if not back:
@@ -452,10 +469,10 @@ class JobSupervisor:
         for address in back:
             self._returning.offered(address)
             self._peer_backoff.pop(address, None)
-        cid = job.command_id + 1
+        cid, action = job.command_id + 1, Command(Action.RESTART).encode()
         self.store.record(self.name, "command", f"node(s) {', '.join(back)} back: checkpoint, "
-                          f"then relaunch on all nodes", command_id=cid, command_action="restart",
-                          detail={"id": cid, "action": "restart", "time": time.time()})
+                          f"then relaunch on all nodes", command_id=cid, command_action=action,
+                          detail={"id": cid, "action": action, "time": time.time()})
         self.wake.set()  # deliver the command on the next tick
 
     # ---- other nodes of a multi-node job ----------------------------------------------------

@@ -98,6 +98,43 @@ def test_a_stopped_rank_is_the_first_suspect_and_detection_is_timed_to_the_decis
         assert "stacks:" in r.stdout, r.stdout[-3000:]
 
 
+@pytest.mark.timeout(600)
+def test_a_stop_of_a_hung_job_ends_it_stopped_without_a_restart(tmp_path):
+    """`ds3dctl stop` (save, then stop) asked of workers that cannot obey (SIGSTOP): the stop
+    must not wait for them forever. The hang is detected as ever and the request is carried
+    out without them: STOPPED, no restart, the hang recorded, no process left."""
+    from test_daemon_support import worker_procs
+
+    with DaemonProc(tmp_path / "state", args=["--hang-timeout", "10"]) as d:
+        r = d.ctl("start", "tiny", "--name", "stuck", "--steps", "100000",
+                  "--set", "checkpoint.interval=2")
+        assert r.returncode == 0, r.stderr
+        job = d.wait_for("stuck", lambda j: j["last_checkpoint_step"] >= 2 or
+                         j["state"] == "FAILED", "a first checkpoint", timeout_s=400)
+        assert job["state"] == "RUNNING", job
+        [(pid, _)] = stacks.local_workers(Path(job["run_dir"])).values()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            r = d.ctl("stop", "stuck")
+            assert r.returncode == 0, r.stderr
+            done = d.wait_state("stuck", "STOPPED", "FAILED", "RECOVERING", timeout_s=180)
+        finally:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        assert done["state"] == "STOPPED" and done["restarts"] == 0, done
+        assert "without the workers' final checkpoint" in done["message"], done["message"]
+        assert f"step {done['last_checkpoint_step']}) is kept" in done["message"]
+        events = d.event_details("stuck")
+        [hang] = [e for e in events if e["kind"] == "fault" and e["cause"] == "hang"]
+        assert hang["detail"]["unanswered"]["0"]["pid"] == pid, hang
+        deadline = time.monotonic() + 30
+        while worker_procs(job["run_dir"]) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not worker_procs(job["run_dir"])
+
+
 FROZEN = r'''
 import time
 print("ready", flush=True)

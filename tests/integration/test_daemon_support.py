@@ -198,7 +198,8 @@ class DaemonProc:
             if job["state"] in states:
                 return job
             time.sleep(0.3)
-        raise AssertionError(f"{name} not in {states} after {timeout_s} s: {job}")
+        raise AssertionError(f"{name} not in {states} after {timeout_s} s: {job}"
+                             + self.diagnostics(job))
 
     def wait_for(self, name: str, pred, what: str, timeout_s: float = 120.0) -> dict:
         deadline = time.monotonic() + timeout_s
@@ -208,7 +209,35 @@ class DaemonProc:
             if pred(job):
                 return job
             time.sleep(0.3)
-        raise AssertionError(f"{name}: {what} not reached after {timeout_s} s: {job}")
+        raise AssertionError(f"{name}: {what} not reached after {timeout_s} s: {job}"
+                             + self.diagnostics(job))
+
+    def diagnostics(self, job: dict, lines: int = 25) -> str:
+        """What a timed-out wait needs to be understood from a CI log alone: the tails of the
+        daemon's log, the agent's log, every worker's stdout/stderr and every rank's reports."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGUSR1)  # ds3dd's threads' stacks, to its stdout file
+        files = [self.state_dir / "ds3dd.log", getattr(self, "output", None)]
+        run_dir = Path(job.get("run_dir") or "/nonexistent")
+        for pid in worker_procs(run_dir) if run_dir.is_dir() else []:
+            try:  # each worker's faulthandler writes its threads' stacks to its stderr log
+                os.kill(pid, signal.SIGUSR1)
+            except OSError:
+                pass
+        time.sleep(1.0)
+        files += [run_dir / "logs" / "agent.log"]
+        files += sorted((run_dir / "logs").glob("attempt-*/**/std*.log"))
+        files += sorted((run_dir / "reports").glob("rank-*.jsonl"))
+        out = []
+        for f in files:
+            if f is None or not Path(f).is_file():
+                continue
+            try:
+                tail = Path(f).read_text(errors="replace").splitlines()[-lines:]
+            except OSError as e:
+                tail = [f"(unreadable: {e})"]
+            out.append(f"\n--- {f} (last {len(tail)} lines) ---\n" + "\n".join(tail))
+        return "".join(out)
 
     def events(self, name: str) -> list[dict]:
         r = self.ctl("events", name, "--json")
