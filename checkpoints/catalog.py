@@ -25,16 +25,15 @@ from typing import Literal
 import structlog
 from pydantic import ValidationError
 
-from ds3d.trainer.errors import (
+from . import layout
+from .deepspeed_latest import refresh_local_latest
+from .errors import (
     CheckpointError,
     Ds3dError,
     NotFoundError,
     StateError,
     TransientStorageError,
 )
-
-from . import layout
-from .deepspeed_latest import refresh_local_latest
 from .identity import ForeignPrefixError, manifest_is_mine
 from .manifest import FileEntry, Manifest, PartManifest, hash_file, save_local_manifest
 from .retention import plan_retention

@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 
 from ds3d.trainer.config import JobConfig
-from ds3d.trainer.errors import CheckpointError, Ds3dError
 
 from .catalog import Catalog, CkptState
 from .disk_space import Shortage
+from .errors import CheckpointError, Ds3dError
 from .identity import claim_prefix, local_job_id
 from .manifest import CheckpointMeta, Layout, Manifest
 from .reshape import check_reshapable, convert_to_universal, needs_reshape

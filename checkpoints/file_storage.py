@@ -28,9 +28,8 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ds3d.trainer.errors import NotFoundError, PermissionError_, StorageError
-
 from .disk_space import is_disk_full, shortage
+from .errors import NotFoundError, PermissionError_, StorageError
 from .storage import ObjectInfo
 
 _TMP_PREFIX = ".tmp-ds3d-"

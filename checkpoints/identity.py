@@ -26,9 +26,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from ds3d.trainer.errors import CheckpointError, NotFoundError
-
 from . import layout
+from .errors import CheckpointError, NotFoundError
 from .storage import Storage
 
 JOB_ID_FILE = "job_id"  # in the job's run directory (daemon/jobdir.py)

@@ -16,8 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ds3d.trainer.errors import CheckpointError
-
+from .errors import CheckpointError
 from .manifest import Layout
 
 UNIVERSAL_SUFFIX = "_universal"

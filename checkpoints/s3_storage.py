@@ -75,7 +75,7 @@ from botocore.exceptions import (
 from botocore.exceptions import ConnectionError as BotoConnectionError
 from s3transfer.exceptions import RetriesExceededError
 
-from ds3d.trainer.errors import (
+from .errors import (
     ConfigError,
     Ds3dError,
     NotFoundError,
@@ -83,7 +83,6 @@ from ds3d.trainer.errors import (
     StorageError,
     TransientStorageError,
 )
-
 from .storage import ObjectInfo
 
 log = structlog.get_logger("ds3d.checkpoints.s3")

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 from urllib.parse import unquote, urlparse
 
-from ds3d.trainer.errors import ConfigError
+from .errors import ConfigError
 
 
 @dataclass(frozen=True, slots=True)

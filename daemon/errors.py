@@ -1,6 +1,6 @@
 """The one place where ds3d errors become gRPC status codes.
 
-Servicer code raises `Ds3dError` subclasses (trainer/errors.py: each names its status as a
+Servicer code raises `Ds3dError` subclasses (checkpoints/errors.py: each names its status as a
 string, so the trainer never imports grpc). `ErrorInterceptor` wraps every handler: a Ds3dError
 becomes its status code with its message; anything else is a bug, logged with its traceback and
 answered INTERNAL with a reference the operator can find in the daemon log — never the traceback.

@@ -1,62 +1,24 @@
-"""One error hierarchy for all of ds3d.
+"""ds3d's error hierarchy, under the trainer's name.
 
-Every error a user can cause or act on is a `Ds3dError`: its message says what was wrong and what
-to do, and its `grpc_code` names the gRPC status the daemon answers with (as a string, so that this
-module imports nothing and the trainer never depends on grpc). Anything else that escapes is a bug,
-logged with its traceback but never shown to a client.
+The classes are defined once, in the lowest layer (`ds3d.checkpoints.errors`), which storage,
+the trainer and the daemon all import; this module re-exports them so that trainer and daemon
+code keeps writing `from ds3d.trainer.errors import ConfigError`. They are the same classes, so
+an error raised by storage is caught as `ds3d.trainer.errors.StorageError` too.
 """
 
 from __future__ import annotations
 
+from ds3d.checkpoints.errors import (
+    AlreadyExistsError,
+    CheckpointError,
+    ConfigError,
+    Ds3dError,
+    NotFoundError,
+    PermissionError_,
+    StateError,
+    StorageError,
+    TransientStorageError,
+)
 
-class Ds3dError(Exception):
-    """Base of every error ds3d reports to a person. Terminal unless a subclass says otherwise."""
-
-    grpc_code = "INTERNAL"
-    retryable = False
-
-
-class ConfigError(Ds3dError):
-    """A job configuration (TOML, preset, override or request) that cannot run as given."""
-
-    grpc_code = "INVALID_ARGUMENT"
-
-
-class NotFoundError(Ds3dError):
-    """A named thing (job, checkpoint, preset file) does not exist."""
-
-    grpc_code = "NOT_FOUND"
-
-
-class StateError(Ds3dError):
-    """The request is valid but not in the object's current state (pause a stopped job)."""
-
-    grpc_code = "FAILED_PRECONDITION"
-
-
-class AlreadyExistsError(Ds3dError):
-    grpc_code = "ALREADY_EXISTS"
-
-
-class PermissionError_(Ds3dError):
-    """Credentials missing or wrong (bearer token, S3 keys)."""
-
-    grpc_code = "PERMISSION_DENIED"
-
-
-class StorageError(Ds3dError):
-    """Object storage refused or failed an operation."""
-
-    grpc_code = "UNAVAILABLE"
-
-
-class TransientStorageError(StorageError):
-    """An outage (connection refused, 5xx, timeout): worth retrying with backoff."""
-
-    retryable = True
-
-
-class CheckpointError(Ds3dError):
-    """A checkpoint is missing, incomplete, corrupt, or cannot be restored into this layout."""
-
-    grpc_code = "FAILED_PRECONDITION"
+__all__ = ["AlreadyExistsError", "CheckpointError", "ConfigError", "Ds3dError", "NotFoundError",
+           "PermissionError_", "StateError", "StorageError", "TransientStorageError"]
