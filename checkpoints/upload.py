@@ -45,13 +45,12 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import structlog
 from pydantic import ValidationError
 
-from ds3d.trainer.logs import configure_logging
-
 from . import layout
 from .deepspeed_latest import refresh_local_latest, write_store_latest
 from .disk_space import is_disk_full
 from .errors import CheckpointError, Ds3dError, NotFoundError
 from .identity import ForeignPrefixError, manifest_is_mine
+from .logs import configure_logging
 from .manifest import (
     CheckpointMeta,
     Layout,

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     from .layout import ProcessEnv
 
     env = ProcessEnv.from_env()
-    from .logs import configure_logging, tolerate_full_disk_on_std_streams
+    from ds3d.checkpoints.logs import configure_logging, tolerate_full_disk_on_std_streams
 
     tolerate_full_disk_on_std_streams()
     log = configure_logging(rank=env.rank, restart=env.restart_count)

@@ -1,8 +1,11 @@
-"""structlog set-up shared by workers, the daemon and the CLI.
+"""structlog set-up of ds3d's plain processes: the trainer's workers and the uploader process
+(`python -m ds3d.checkpoints.upload`). ds3dd has its own (daemon/logging.py: a log file, and
+the standard library's logging routed through it).
 
 JSON lines when the output is not a terminal (production, log files) or DS3D_LOG_FORMAT=json;
 a readable, aligned console format on a terminal. Context bound once (job, node, rank) rides on
-every line.
+every line. It lives in the lowest layer, beside the disk-full test it uses, because both the
+trainer and storage's own process entry configure their logging with it.
 """
 
 from __future__ import annotations
@@ -13,6 +16,9 @@ import sys
 from typing import Any, TextIO
 
 import structlog
+from structlog.typing import FilteringBoundLogger
+
+from .disk_space import is_disk_full
 
 
 class FullDiskTolerantStream:
@@ -28,7 +34,7 @@ class FullDiskTolerantStream:
         try:
             return self._stream.write(text)
         except OSError as e:
-            if not _disk_full(e):
+            if not is_disk_full(e):
                 raise
             self.dropped += 1
             return len(text)
@@ -37,7 +43,7 @@ class FullDiskTolerantStream:
         try:
             self._stream.flush()
         except OSError as e:
-            if not _disk_full(e):
+            if not is_disk_full(e):
                 raise
 
     def isatty(self) -> bool:
@@ -51,19 +57,15 @@ def tolerate_full_disk_on_std_streams() -> None:
     """A worker's stdout and stderr are files in the job folder (the elastic agent redirects
     them): a `print` there (ours, DeepSpeed's) that a full disk refuses must not end training."""
     if not isinstance(sys.stdout, FullDiskTolerantStream):
-        sys.stdout = FullDiskTolerantStream(sys.stdout)  # type: ignore[assignment]
+        sys.stdout = FullDiskTolerantStream(sys.stdout)
     if not isinstance(sys.stderr, FullDiskTolerantStream):
-        sys.stderr = FullDiskTolerantStream(sys.stderr)  # type: ignore[assignment]
-
-
-def _disk_full(exc: BaseException) -> bool:
-    from ds3d.checkpoints.disk_space import is_disk_full
-
-    return is_disk_full(exc)
+        sys.stderr = FullDiskTolerantStream(sys.stderr)
 
 
 def configure_logging(stream: TextIO | None = None, fmt: str | None = None,
-                      level: str | None = None, **context: Any) -> structlog.stdlib.BoundLogger:
+                      level: str | None = None, **context: Any) -> FilteringBoundLogger:
+    """Configures structlog for this process (once, at its entry) to write to `stream`
+    (stderr by default); `context` (rank, restart, ...) is bound to every line."""
     stream = stream or sys.stderr
     fmt = fmt or os.environ.get("DS3D_LOG_FORMAT") or ("console" if stream.isatty() else "json")
     renderer: Any = (structlog.processors.JSONRenderer() if fmt == "json"
@@ -86,4 +88,5 @@ def configure_logging(stream: TextIO | None = None, fmt: str | None = None,
     )
     structlog.contextvars.clear_contextvars()
     structlog.contextvars.bind_contextvars(**{k: v for k, v in context.items() if v is not None})
-    return structlog.get_logger()
+    logger: FilteringBoundLogger = structlog.get_logger()
+    return logger
