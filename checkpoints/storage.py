@@ -1,7 +1,8 @@
 """The durable tier's contract: a small key/value object store with `str` keys.
 
 Every backend (`FileStorage` for `file://`, `S3Storage` for `s3://`) passes the same conformance
-suite (tests/unit/test_storage_conformance.py), so checkpoint code never asks which one it has.
+suite (tests/integration/test_s3_conformance.py: file, moto_server and Ceph RGW), so checkpoint
+code never asks which one it has.
 
 Guarantees every backend gives:
 - keys are `/`-separated and relative to the store's own prefix (the URL's path);

@@ -30,6 +30,7 @@ from ds3d.checkpoints.retention import plan_retention
 from ds3d.checkpoints.storage import Storage, job_store_url, open_storage
 from ds3d.trainer.config import JobConfig
 from ds3d.trainer.errors import Ds3dError
+from ds3d.trainer.kinds import EventKind
 
 from .logging import get_logger
 from .metrics import Metrics
@@ -100,7 +101,7 @@ def reconcile(store: Store, metrics: Metrics, name: str, checksums: bool = False
         new_rows.append({"step": step, "phase": new, "detail": why,
                          "time": indexed.time if indexed else now})
         cause = new if new in _PROBLEMS else "reconciled"
-        events.append({"time": now, "kind": "checkpoint", "step": step, "cause": cause,
+        events.append({"time": now, "kind": EventKind.CHECKPOINT, "step": step, "cause": cause,
                        "message": f"checkpoint step {step}: the index said {old or 'nothing'}; "
                                   f"the store shows {new}: {why}",
                        "detail": {"phase": new, "previous": old, "why": why,

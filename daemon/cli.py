@@ -37,11 +37,11 @@ from typing import Any, NoReturn, cast
 import grpc
 
 from ds3d.trainer.errors import Ds3dError
+from ds3d.trainer.kinds import EventKind, FaultKind
 from ds3d.v1 import control_pb2 as pb
 from ds3d.v1 import control_pb2_grpc as pb_grpc
 
 from .check import check_sections, render, source_with_files, validated_job
-from .jobdir import INJECT_KINDS
 
 DEFAULT_ADDR = "127.0.0.1:7531"
 EXIT_BAD_INPUT = 2
@@ -98,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("events", help="a job's event history")
     p.add_argument("job")
     p.add_argument("--follow", "-f", action="store_true")
-    p.add_argument("--kind", action="append", default=[])
+    p.add_argument("--kind", action="append", default=[],
+                   choices=[k.value for k in EventKind])
     p.add_argument("--step-every", type=int, default=1, help="one step event per N steps")
     p.add_argument("--json", action="store_true",
                    help="one JSON object per event, with its full detail (stacks included)")
@@ -141,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inject", help="drills: make one rank misbehave (needs ds3dd "
                        "--enable-fault-injection)")
     p.add_argument("job")
-    p.add_argument("kind", choices=INJECT_KINDS)
+    p.add_argument("kind", choices=[k.value for k in FaultKind])
     p.add_argument("--rank", type=int, required=True, help="global rank")
     p.add_argument("--at-step", type=int, default=0,
                    help="step at which it happens (default: the next step)")
@@ -381,7 +382,7 @@ def tensorboard_text(j: pb.JobStatus, rank0_host: str) -> str:
     return "\n".join(lines)
 
 
-def _newest_event(client: Client, job: str, kind: str) -> pb.Event | None:
+def _newest_event(client: Client, job: str, kind: EventKind) -> pb.Event | None:
     """The job's newest event of `kind`; None when there is none, or when this daemon is not
     the job's head (its events are kept there; GetJob is forwarded, the event log is not)."""
     newest = None
@@ -398,7 +399,7 @@ def event_line(e: pb.Event) -> str:
     t = time.strftime("%H:%M:%S", time.localtime(e.time))
     step = f"step {e.step}" if e.step >= 0 else ""
     where = f"rank {e.rank}" if e.rank >= 0 else "daemon"
-    if e.kind == "state":
+    if e.kind == EventKind.STATE:
         text = f"{_state(e.from_state)} -> {_state(e.to_state)}: {e.message}"
     else:
         text = e.message
@@ -472,7 +473,7 @@ def run(args: argparse.Namespace, out: Any = sys.stdout) -> int:
             jobs = list(client.call("ListJobs", pb.ListJobsRequest(
                 include_finished=c == "status" or args.all)).jobs)
         # checkpoint.interval = "auto": the newest interval and what it was computed from
-        interval = _newest_event(client, args.job, "checkpoint_interval") \
+        interval = _newest_event(client, args.job, EventKind.CHECKPOINT_INTERVAL) \
             if c == "status" and args.job else None
         if args.json:
             data: Any = [job_dict(j) for j in jobs]
@@ -500,7 +501,7 @@ def run(args: argparse.Namespace, out: Any = sys.stdout) -> int:
     elif c == "logs" and args.tensorboard:
         job = client.call("GetJob", pb.JobRef(name=args.job)).job
         starts = [e for e in client.stream("WatchEvents", pb.WatchEventsRequest(
-            name=args.job, kinds=["start", "recovery"])) if e.rank == 0]
+            name=args.job, kinds=[EventKind.START, EventKind.RECOVERY])) if e.rank == 0]
         print(tensorboard_text(job, starts[-1].node if starts else ""), file=out)
     elif c == "export":
         _export(client, args, out)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ds3d.trainer.exit_codes import EXIT_CONFIG
+from ds3d.trainer.kinds import EventKind, RecordKind
 from ds3d.trainer.process_age import process_age_s
 
 from .extension_cache import find_locks
@@ -45,7 +46,7 @@ class Fault:
     step: int | None = None
     detail: dict[str, Any] = field(default_factory=dict)
     fatal: bool = False  # True: the job fails now, without a restart
-    kind: str = "fault"  # the event kind: "fault", or "diagnosis" for advice that changes nothing
+    kind: EventKind = EventKind.FAULT  # or DIAGNOSIS (advice that changes nothing), OOM
     # when the detector decided (unix seconds): an incident's time to detect ends here, not after
     # the stacks were taken and the workers killed
     detected_at: float = field(default_factory=time.time)
@@ -85,7 +86,7 @@ class HangDetector:
         now = time.monotonic()
         if self._since is None:
             self._since = now
-        for rec in obs.kinds("step"):
+        for rec in obs.kinds(RecordKind.STEP):
             t = rec.get("step_time_s")
             if isinstance(t, int | float) and t > 0:
                 self._step_times.append(float(t))
@@ -160,7 +161,7 @@ class StartupDetector:
             if isinstance(rec.get("rank"), int):
                 self._phases[rec["rank"]] = str(rec.get("phase") or rec.get("kind"))
         waited = now - self._since
-        if obs.kinds("start", "step") or waited <= self.timeout_s:
+        if obs.kinds(RecordKind.START, RecordKind.STEP) or waited <= self.timeout_s:
             return None
         self._launch = None  # once per launch; the restarted group is timed afresh
         locks = find_locks(self.lock_roots(job))

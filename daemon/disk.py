@@ -37,6 +37,7 @@ from typing import Any
 
 from ds3d.checkpoints.disk_space import existing_ancestor, human, is_disk_full, mount_point
 from ds3d.trainer.config import JobConfig
+from ds3d.trainer.kinds import EventKind
 
 from .logging import get_logger
 from .store import Job, Store
@@ -230,7 +231,7 @@ class DiskWatch:
         while self._unstored:
             note = self._unstored[0]
             try:
-                self.store.record(self.name, "diagnosis", note.message, cause=note.cause,
+                self.store.record(self.name, EventKind.DIAGNOSIS, note.message, cause=note.cause,
                                   detail={**note.detail, "detected_at": note.detected_at})
                 # the status line says it too, until the job's next transition
                 still = [self._full_text(d) for d in self._short.values()]

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 
 from ds3d.trainer.checkpoint_interval import FAILURES_FILE
+from ds3d.trainer.kinds import EventKind
 
 from .states import JobState
 from .store import Store
@@ -33,13 +34,13 @@ class FailureHistory:
         self._at = -float("inf")
 
     def current(self) -> tuple[int, float]:
-        return (self.store.count_events(self.name, "recovered"),
+        return (self.store.count_events(self.name, EventKind.RECOVERED),
                 self.store.seconds_in(self.name, EXPOSED))
 
     def publish(self, write: Callable[[str, str], None], now: float | None = None) -> bool:
         """Writes the file through `write(file, text)` when due; True when it wrote."""
         now = time.monotonic() if now is None else now
-        failures = self.store.count_events(self.name, "recovered")
+        failures = self.store.count_events(self.name, EventKind.RECOVERED)
         if failures == self._failures and now - self._at < self.every_s:
             return False
         observed = self.store.seconds_in(self.name, EXPOSED)

@@ -29,6 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ds3d.trainer.kinds import RecordKind
+
 
 @dataclass
 class Incident:
@@ -98,16 +100,16 @@ class IncidentClock:
         for rec in sorted((r for r in records if r.get("rank") == 0),
                           key=lambda r: float(r.get("time", 0.0))):
             kind, t = rec.get("kind"), float(rec.get("time", 0.0))
-            if kind == "start":
+            if kind == RecordKind.START:
                 self._on_start(rec, t, agent_cause)
-            elif kind == "step":
+            elif kind == RecordKind.STEP:
                 inc = self.open
                 if inc is not None and inc.resumed_from is not None and t > inc.detected:
                     inc.recovered = t
                     closed.append(inc)
                     self.open = None
                 self.last_step, self.last_step_time = int(rec.get("step", 0)), t
-            elif kind == "recovery" and "recovered_to" in rec:
+            elif kind == RecordKind.RECOVERY and "recovered_to" in rec:
                 closed.append(Incident(
                     str(rec.get("cause", "")), "workers", t, int(rec.get("step", 0)), t,
                     resumed_from=int(rec["recovered_to"]),

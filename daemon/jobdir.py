@@ -14,8 +14,8 @@
                                  written by the workers, read at every start
         control/restore.json     daemon -> workers before a rollback: {"step": n, "id": n}
         control/inject.json      daemon -> workers, drills only (ds3dd --enable-fault-injection):
-                                 {"id": n, "kind": "nan"|"hang"|"crash"|"slow"|"spike", "rank": r,
-                                  "at_step": s, "time": unix s}
+                                 {"id": n, "kind": k, "rank": r, "at_step": s, "time": unix s},
+                                  k a FaultKind (trainer/kinds.py; trainer/faults.py acts)
         reports/nodes/<node>/rank-XXXXX.jsonl  head node only: copies of the records written on
                                  the other nodes of a multi-node job (pulled by peer RPC)
         control/agent-N.{json,exit}  agent spec and result (launcher.py, agent.py)
@@ -34,12 +34,12 @@ from typing import Any
 from ds3d.trainer.config import JOB_NAME_RE
 from ds3d.trainer.errors import ConfigError
 from ds3d.trainer.fileio import atomic_write_text
+from ds3d.trainer.kinds import FaultKind
 
 ACTIONS = ("save", "pause", "stop", "stop_now", "profile", "repartition", "restart")
 # Control files the head copies to the other nodes of a multi-node job: rank 0 (which reads
 # commands) and the rank named by an injection may run on any node.
 CONTROL_FILES = ("command.json", "restore.json", "inject.json", "failures.json")
-INJECT_KINDS = ("nan", "hang", "crash", "slow", "spike")
 
 
 class JobDir:
@@ -106,12 +106,10 @@ class JobDir:
     def inject_file(self) -> Path:
         return self.control / "inject.json"
 
-    def write_inject(self, inject_id: int, kind: str, rank: int, at_step: int) -> str:
+    def write_inject(self, inject_id: int, kind: FaultKind, rank: int, at_step: int) -> str:
         """Writes control/inject.json atomically; returns the text written."""
-        if kind not in INJECT_KINDS:
-            raise ValueError(f"unknown fault kind {kind!r}")
-        text = json.dumps({"id": inject_id, "kind": kind, "rank": rank, "at_step": at_step,
-                           "time": round(time.time(), 3)})
+        text = json.dumps({"id": inject_id, "kind": FaultKind(kind), "rank": rank,
+                           "at_step": at_step, "time": round(time.time(), 3)})
         atomic_write_text(self.inject_file, text)
         return text
 

@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 from ds3d.trainer.config import JobConfig
+from ds3d.trainer.kinds import EventKind, RecordKind
 from ds3d.trainer.oom import CgroupMemory, memory_knobs
 
 from .detectors import Fault, agent_error
@@ -131,7 +132,7 @@ class OomDetector:
     # -- an allocation failed: the worker reported it ----------------------------------------
 
     def _worker_oom(self, job: Job, obs: Observation) -> Fault | None:
-        recs = [r for r in obs.kinds("fault") if r.get("cause") == "oom"]
+        recs = [r for r in obs.kinds(RecordKind.FAULT) if r.get("cause") == "oom"]
         new = [r for r in recs if (str(r.get("run_id", "")), int(r.get("restart", 0)))
                not in self._incidents]
         if not new:
@@ -153,11 +154,11 @@ class OomDetector:
                          f"last restart, so retrying cannot help: the job fails (change the "
                          f"configuration and start a new job from its checkpoints)",
                          restart=False, fatal=True, rank=rank, step=step, detail=detail,
-                         kind="oom")
+                         kind=EventKind.OOM)
         self.oom_steps.add(step)
         return Fault("oom", f"{message}; restarting once from the newest checkpoint (a "
                      f"second out-of-memory at this step fails the job)", restart=True,
-                     rank=rank, step=step, detail=detail, kind="oom")
+                     rank=rank, step=step, detail=detail, kind=EventKind.OOM)
 
     # -- the kernel's OOM killer: nothing reported, the cgroup counted it --------------------
 
@@ -175,7 +176,7 @@ class OomDetector:
         if self._kill_at is None or time.monotonic() - self._kill_at > KILL_WINDOW_S:
             return None
         group_restarted = any(r.get("rank") == 0 and int(r.get("restart", 0)) > 0
-                              for r in obs.kinds("start"))
+                              for r in obs.kinds(RecordKind.START))
         agent_failed = agent_exit not in (None, 0) and job.state in (
             JobState.STARTING, JobState.RUNNING, JobState.RECOVERING)
         if not (group_restarted or agent_failed):
@@ -203,7 +204,7 @@ class OomDetector:
         fault = self._decide(message, rank, step, detail)
         if group_restarted and fault.restart:  # the agent restarted the group already
             return Fault(fault.cause, message, restart=False, rank=rank, step=step,
-                         detail=detail, kind="oom")
+                         detail=detail, kind=EventKind.OOM)
         return fault
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ds3d.trainer.kinds import EventKind, RecordKind
 from ds3d.trainer.report import read_records
 
 from .jobdir import JobDir
@@ -31,7 +32,7 @@ class Observation:
     records: list[dict[str, Any]] = field(default_factory=list)
     last_seen: dict[int, float] = field(default_factory=dict)  # rank -> monotonic seconds
 
-    def kinds(self, *kinds: str) -> list[dict[str, Any]]:
+    def kinds(self, *kinds: RecordKind) -> list[dict[str, Any]]:
         return [r for r in self.records if r.get("kind") in kinds]
 
 
@@ -44,9 +45,11 @@ def _num(v: Any) -> float | None:
 
 
 def record_to_event(rec: dict[str, Any]) -> dict[str, Any] | None:
-    """A report record as an event row (None for records not stored as events)."""
+    """A report record as an event row (None for records not stored as events). Its kind is
+    the record's (an EventKind of the same name), but for a restarted group's rank-0 `start`;
+    a kind this daemon does not know (a newer trainer's) is stored as it is."""
     kind = rec.get("kind", "")
-    if kind == "heartbeat":
+    if kind == RecordKind.HEARTBEAT:
         return None
     step = rec.get("step")
     ev: dict[str, Any] = {
@@ -55,14 +58,14 @@ def record_to_event(rec: dict[str, Any]) -> dict[str, Any] | None:
         "rank": int(rec.get("rank", -1)), "node": str(rec.get("node", "")),
         "restart": int(rec.get("restart", 0)), "detail": rec,
     }
-    if kind == "step":
+    if kind == RecordKind.STEP:
         ev["loss"] = _num(rec.get("loss"))
         ev["tokens_per_s"] = _num(rec.get("tokens_per_s"))
         ev["message"] = f"step {ev['step']} loss {ev['loss']}"
-    elif kind == "fault":
+    elif kind == RecordKind.FAULT:
         ev["cause"] = str(rec.get("cause", ""))
         ev["message"] = f"{ev['cause']} at step {ev['step']}: {rec.get('detail', '')}"
-    elif kind == "checkpoint":
+    elif kind == RecordKind.CHECKPOINT:
         ev["message"] = f"checkpoint step {ev['step']} {rec.get('phase', '')}"
         if rec.get("phase") in PROBLEM_PHASES:  # the whole truth, not only a phase name
             ev["cause"] = str(rec.get("cause") or rec.get("phase"))
@@ -70,25 +73,25 @@ def record_to_event(rec: dict[str, Any]) -> dict[str, Any] | None:
                                           PROBLEM_PHASES[rec["phase"]])
             ev["message"] = template.format(
                 step=ev["step"], cause=ev["cause"], detail=rec.get("detail", ""))
-    elif kind == "start":
+    elif kind == RecordKind.START:
         ev["message"] = (f"rank {ev['rank']} started (restart {ev['restart']}, world "
                          f"{rec.get('world_size')}, from step {rec.get('step', 0)})")
         if ev["restart"] > 0 and ev["rank"] == 0:
-            ev["kind"] = "recovery"
+            ev["kind"] = EventKind.RECOVERY
             ev["cause"] = "worker_exit"
             ev["message"] = f"worker group restarted by the agent ({ev['message']})"
-    elif kind == "recovery":  # an in-process rollback (trainer/loop.py)
+    elif kind == RecordKind.RECOVERY:  # an in-process rollback (trainer/loop.py)
         ev["cause"] = str(rec.get("cause", ""))
         a, b = (rec.get("skipped_batches") or [0, 0])[:2]  # [a, b): batches skipped from now
         skipped = "" if b <= a else f", batch {a} skipped" if b == a + 1 else \
             f", batches {a}-{b - 1} skipped"
         ev["message"] = (f"{ev['cause']} at step {ev['step']}: rolled back to the checkpoint of "
                          f"step {rec.get('recovered_to')} in {rec.get('seconds', 0)} s{skipped}")
-    elif kind == "done":
+    elif kind == RecordKind.DONE:
         ev["message"] = f"workers done at step {ev['step']}: {rec.get('reason', '')}"
-    elif kind == "checkpoint_interval":
+    elif kind == RecordKind.CHECKPOINT_INTERVAL:
         ev["message"] = describe_interval(rec)
-    elif kind == "command":
+    elif kind == RecordKind.COMMAND:
         ev["message"] = (f"command {rec.get('id')} {rec.get('action')} "
                          f"{rec.get('status', '')}")
     else:
@@ -157,7 +160,7 @@ class ReportTail:
             ev = record_to_event(rec)
             if ev is not None:
                 events.append(ev)
-            if rec.get("kind") == "checkpoint" and isinstance(rec.get("step"), int) and \
+            if rec.get("kind") == RecordKind.CHECKPOINT and isinstance(rec.get("step"), int) and \
                     rec.get("phase", "saved") in INDEXED_PHASES:
                 step = rec["step"]
                 phase = str(rec.get("phase", "saved"))
@@ -168,7 +171,7 @@ class ReportTail:
                               "blocked_s": _num(rec.get("blocked_s")) or 0.0,
                               "detail": ev["message"] if ev is not None and
                               phase in PROBLEM_PHASES else ""})
-            elif rec.get("kind") == "checkpoint" and rec.get("phase") == "retention":
+            elif rec.get("kind") == RecordKind.CHECKPOINT and rec.get("phase") == "retention":
                 ckpts += [{"step": s, "phase": "deleted", "time": ev["time"] if ev else 0,
                            "detail": f"deleted by retention after step {rec.get('step')}"}
                           for s in rec.get("deleted") or [] if isinstance(s, int)]
@@ -181,19 +184,19 @@ class ReportTail:
         out: dict[str, Any] = {}
         for rec in records:
             kind = rec.get("kind")
-            if kind == "step" and rec.get("rank", 0) == 0:
+            if kind == RecordKind.STEP and rec.get("rank", 0) == 0:
                 out["step"] = int(rec.get("step", 0))
                 loss = _num(rec.get("loss"))
                 out["loss"] = loss if loss is not None and math.isfinite(loss) else None
                 out["tokens_per_s"] = _num(rec.get("tokens_per_s")) or 0.0
                 out["step_time_s"] = _num(rec.get("step_time_s")) or 0.0
-            elif kind == "start" and rec.get("rank", 0) == 0:
+            elif kind == RecordKind.START and rec.get("rank", 0) == 0:
                 out["world_size"] = int(rec.get("world_size", 0))
                 out.setdefault("step", int(rec.get("step", 0) or 0))
-            elif kind == "checkpoint" and rec.get("phase") in ("saved", "committed"):
+            elif kind == RecordKind.CHECKPOINT and rec.get("phase") in ("saved", "committed"):
                 out["last_ckpt_step"] = max(out.get("last_ckpt_step", -1), int(rec["step"]))
-            elif kind == "done":
+            elif kind == RecordKind.DONE:
                 out["done_reason"] = str(rec.get("reason", ""))
-            elif kind == "command" and rec.get("status") == "done":
+            elif kind == RecordKind.COMMAND and rec.get("status") == "done":
                 out["command_acked"] = max(out.get("command_acked", 0), int(rec.get("id", 0)))
         return out

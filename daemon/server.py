@@ -21,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ds3d.trainer.errors import ConfigError, Ds3dError
+from ds3d.trainer.kinds import EventKind
 from ds3d.v1 import control_pb2 as pb
 from ds3d.v1 import control_pb2_grpc as pb_grpc
 
@@ -203,8 +204,8 @@ class Daemon:
                 except Ds3dError as e:
                     log.warning("drain: cannot pause", job=job.name, error=str(e))
                     continue
-                self.store.record(job.name, "drain", "paused for daemon shutdown; resumes when "
-                                  "ds3dd starts again")
+                self.store.record(job.name, EventKind.DRAIN, "paused for daemon shutdown; "
+                                  "resumes when ds3dd starts again")
                 paused.append(job.name)
         deadline = time.monotonic() + timeout_s
         while paused and time.monotonic() < deadline:
@@ -226,9 +227,10 @@ class Daemon:
             # the daemon's own requests only (rank -1): workers acknowledge commands with
             # events of kind "command" too, after the drain
             mine = [e for e in self.store.events(job=job.name, limit=1 << 30,
-                                                 kinds=["drain", "request", "command"])
+                                                 kinds=[EventKind.DRAIN, EventKind.REQUEST,
+                                                        EventKind.COMMAND])
                     if e.rank == -1]
-            if mine and mine[-1].kind == "drain":
+            if mine and mine[-1].kind == EventKind.DRAIN:
                 self.service.resume(job.name)
                 resumed.append(job.name)
         return resumed

@@ -17,6 +17,7 @@ from typing import Any
 from ds3d.checkpoints.identity import new_job_id, write_local_job_id
 from ds3d.trainer.config import JobConfig, validate_job
 from ds3d.trainer.errors import ConfigError, NotFoundError, StateError
+from ds3d.trainer.kinds import EventKind, FaultKind
 from ds3d.trainer.memory_model import NodeResources
 from ds3d.trainer.partition import (
     CALIBRATION_STEPS,
@@ -31,7 +32,7 @@ from ds3d.trainer.partition import (
 
 from .ckpt_index import reconcile
 from .fit_check import check_fit
-from .jobdir import INJECT_KINDS, JobDir
+from .jobdir import JobDir
 from .peers import PeerClient, check_peer_address
 from .preflight import preflight
 from .states import TERMINAL, JobState, check_action
@@ -93,6 +94,18 @@ def parse_config(config_json: str) -> JobConfig:
     return cfg
 
 
+_EVENT_KINDS = frozenset(EventKind)
+
+
+def event_kinds(kinds: list[str]) -> list[EventKind]:
+    """The kinds a WatchEvents request asks for, each checked against the registry."""
+    unknown = [k for k in kinds if k not in _EVENT_KINDS]
+    if unknown:
+        raise ConfigError(f"event kind(s) {', '.join(map(repr, unknown))} unknown; use one of "
+                          f"{', '.join(EventKind)}")
+    return [EventKind(k) for k in kinds]
+
+
 def stored_config_problem(config_json: str) -> str | None:
     """Why this daemon cannot read a stored job's configuration (one line), or None."""
     try:
@@ -146,7 +159,7 @@ class JobService:
     def resume(self, name: str) -> Job:
         job = self.store.get_job(name)
         check_action(name, "resume", job.state)
-        job = self.store.record(name, "request", "resume requested",
+        job = self.store.record(name, EventKind.REQUEST, "resume requested",
                                 desired_state=JobState.RUNNING)
         self.supervisors.poke(name)
         return job
@@ -178,7 +191,7 @@ class JobService:
             have = ", ".join(map(str, usable)) or "none yet (`ds3dctl save JOB` makes one)"
             raise NotFoundError(f"job {name!r} has no checkpoint at step {step}; "
                                 f"checkpoints: {have}")
-        job = self.store.record(name, "request", f"rollback to step {step} requested",
+        job = self.store.record(name, EventKind.REQUEST, f"rollback to step {step} requested",
                                 step=step, desired_state=JobState.RUNNING, rollback_step=step,
                                 command_id=job.command_id + 1, command_action="",
                                 command_acked=job.command_id + 1)
@@ -192,9 +205,11 @@ class JobService:
         if not self.enable_fault_injection:
             raise StateError("fault injection is disabled on this daemon; restart ds3dd with "
                              "--enable-fault-injection to allow it (drills only)")
-        if kind not in INJECT_KINDS:
+        try:
+            fault = FaultKind(kind)
+        except ValueError:
             raise ConfigError(f"fault kind {kind!r} is unknown; use one of "
-                              f"{', '.join(INJECT_KINDS)}")
+                              f"{', '.join(FaultKind)}") from None
         job = self.store.get_job(name)
         check_action(name, "inject", job.state)
         world = job.world_size or JobConfig.model_validate_json(
@@ -207,9 +222,9 @@ class JobService:
         jobdir = JobDir(self.jobs_root, name)
         previous = jobdir.inject()
         inject_id = int(previous.get("id", 0)) + 1 if previous else 1
-        text = jobdir.write_inject(inject_id, kind, rank, step)
-        self.store.record(name, "inject", f"fault injection {inject_id}: {kind} on rank {rank} "
-                          f"at step {step}", rank=rank, cause=kind,
+        text = jobdir.write_inject(inject_id, fault, rank, step)
+        self.store.record(name, EventKind.INJECT, f"fault injection {inject_id}: {kind} on rank "
+                          f"{rank} at step {step}", rank=rank, cause=kind,
                           detail={"id": inject_id, "kind": kind, "rank": rank, "at_step": step})
         self.supervisors.forward_control(name, "inject.json", text)
         return Injection(inject_id, step, jobdir.inject_file)
@@ -227,7 +242,8 @@ class JobService:
                              "nothing to re-partition")
         records = []
         after = 0
-        while batch := self.store.events(job=name, after_seq=after, kinds=["profile"], limit=500):
+        while batch := self.store.events(job=name, after_seq=after, kinds=[EventKind.PROFILE],
+                                         limit=500):
             records += [ev.detail for ev in batch]
             after = batch[-1].seq
         merged = merge_profile_records(records, cfg.model.n_layers)
@@ -329,13 +345,15 @@ class JobService:
     def events(self, name: str, after_seq: int, follow: bool, kinds: list[str],
                step_every: int, is_active: Callable[[], bool]) -> Iterator[Event]:
         """Stored events in order; with `follow`, new ones as they are committed, until the job
-        (or, for all jobs, the client) is done."""
+        (or, for all jobs, the client) is done. An unknown kind is refused (it would match
+        nothing, forever)."""
+        wanted = event_kinds(kinds)
         if name:
             self.store.get_job(name)
         last = after_seq
         every = max(1, step_every)
         while is_active():
-            batch = self.store.events(job=name, after_seq=last, kinds=kinds, limit=500)
+            batch = self.store.events(job=name, after_seq=last, kinds=wanted, limit=500)
             for ev in batch:
                 last = ev.seq
                 if ev.kind == "step" and every > 1 and ev.step % every:
@@ -346,7 +364,7 @@ class JobService:
             if not follow:
                 return
             if name and self.store.get_job(name).state in TERMINAL and \
-                    not self.store.events(job=name, after_seq=last, kinds=kinds, limit=1):
+                    not self.store.events(job=name, after_seq=last, kinds=wanted, limit=1):
                 return
             self.store.wait_for_change(1.0)
 
@@ -390,7 +408,7 @@ class JobService:
         """Stores the intent (desired state + next command id) with its event; the supervisor
         writes the command file (and re-writes it after a daemon crash)."""
         cid = job.command_id + 1
-        job = self.store.record(job.name, "command", message, desired_state=desired,
+        job = self.store.record(job.name, EventKind.COMMAND, message, desired_state=desired,
                                 command_id=cid, command_action=action,
                                 detail={"id": cid, "action": action, "time": time.time()})
         self.supervisors.poke(job.name)

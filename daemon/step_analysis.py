@@ -17,6 +17,8 @@ import statistics
 import time
 from typing import Any
 
+from ds3d.trainer.kinds import EventKind, RecordKind
+
 from .detectors import Fault
 from .metrics import Metrics
 from .reports import Observation
@@ -43,10 +45,10 @@ class StepAnalysis:
     # -- Detector ---------------------------------------------------------------------------
 
     def check(self, job: Job, obs: Observation, agent_exit: int | None) -> Fault | None:
-        if any(r.get("kind") == "start" for r in obs.records):
+        if obs.kinds(RecordKind.START):
             self.splits.clear()  # a new group: ranks may have other roles now
         fresh = False
-        for rec in obs.kinds("heartbeat"):
+        for rec in obs.kinds(RecordKind.HEARTBEAT):
             split = rec.get("split")
             if isinstance(split, dict) and isinstance(split.get("compute_s"), int | float):
                 self.splits[int(rec.get("rank", -1))] = {
@@ -110,7 +112,7 @@ class StepAnalysis:
             return
         self._raised[(kind, -1)] = now
         self._pending.append(Fault(kind, message, restart=False, rank=rank, step=step,
-                                   detail=detail, kind="diagnosis"))
+                                   detail=detail, kind=EventKind.DIAGNOSIS))
 
     # -- figures ----------------------------------------------------------------------------
 

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ds3d.trainer.errors import AlreadyExistsError, NotFoundError
+from ds3d.trainer.kinds import EventKind
 
 from .states import JobState, check_transition
 
@@ -270,7 +271,7 @@ class Store:
                 "created_at, updated_at, message, job_id) VALUES (?,?,?,?,?,?,?,?,?,?)",
                 (name, config_json, JobState.PENDING.value, JobState.RUNNING.value, node, run_dir,
                  now, now, message, job_id))
-            self._insert_event(db, {"job": name, "time": now, "kind": "state", "node": node,
+            self._insert_event(db, {"job": name, "time": now, "kind": EventKind.STATE, "node": node,
                                     "to_state": JobState.PENDING.value, "message": message})
         return self.get_job(name)
 
@@ -339,7 +340,7 @@ class Store:
                            "updated_at=? WHERE name=?",
                            (JobState.FAILED.value, JobState.FAILED.value, QUARANTINED,
                             message, now, r["name"]))
-                self._insert_event(db, {"job": r["name"], "time": now, "kind": "state",
+                self._insert_event(db, {"job": r["name"], "time": now, "kind": EventKind.STATE,
                                         "from_state": r["state"],
                                         "to_state": JobState.FAILED.value,
                                         "cause": QUARANTINED, "message": message})
@@ -347,7 +348,7 @@ class Store:
         return [self.get_job(n) for n in names]
 
     def transition(self, name: str, dst: JobState, message: str, *, cause: str = "",
-                   kind: str = "state", **fields: Any) -> Job:
+                   kind: EventKind = EventKind.STATE, **fields: Any) -> Job:
         """Moves a job to `dst` (checked against the table) with its transition row, its event and
         any column updates, all in one transaction. Raises StateError if not allowed."""
         now = time.time()
@@ -364,7 +365,7 @@ class Store:
                                     "message": message})
         return self.get_job(name)
 
-    def record(self, name: str, kind: str, message: str, **fields: Any) -> Job:
+    def record(self, name: str, kind: EventKind, message: str, **fields: Any) -> Job:
         """Stores an intent or a fact that is not a state change (a command sent, a process
         started) as column updates plus one event, in one transaction."""
         now = time.time()
@@ -423,7 +424,7 @@ class Store:
 
     # ---- queries -----------------------------------------------------------------------------
 
-    def events(self, *, job: str = "", after_seq: int = 0, kinds: Iterable[str] = (),
+    def events(self, *, job: str = "", after_seq: int = 0, kinds: Iterable[EventKind] = (),
                limit: int = 1000) -> list[Event]:
         sql = "SELECT * FROM events WHERE seq > ?"
         args: list[Any] = [after_seq]
@@ -451,7 +452,7 @@ class Store:
                                     "WHERE job=? ORDER BY id", (name,)).fetchall()
         return [(JobState(r[0]), JobState(r[1]), r[2]) for r in rows]
 
-    def count_events(self, name: str, kind: str) -> int:
+    def count_events(self, name: str, kind: EventKind) -> int:
         with self._lock:
             return int(self._db.execute("SELECT COUNT(*) FROM events WHERE job=? AND kind=?",
                                         (name, kind)).fetchone()[0])

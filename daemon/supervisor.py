@@ -33,6 +33,7 @@ from typing import Any
 from ds3d.checkpoints.disk_space import is_disk_full
 from ds3d.trainer.config import JobConfig
 from ds3d.trainer.errors import Ds3dError
+from ds3d.trainer.kinds import EventKind, RecordKind
 from ds3d.trainer.oom import CgroupMemory
 from ds3d.v1 import control_pb2 as pb
 
@@ -123,7 +124,8 @@ class JobSupervisor:
     def _oom_detector(self, name: str) -> OomDetector:
         """Remembers the steps that ran out of memory before (a daemon restart keeps the
         once-then-fail policy) and watches this daemon's memory cgroup for OOM kills."""
-        before = [e.detail.get("step", e.step) for e in self.store.events(job=name, kinds=["oom"])]
+        before = [e.detail.get("step", e.step)
+                  for e in self.store.events(job=name, kinds=[EventKind.OOM])]
         return OomDetector(before, CgroupMemory.of_self())
 
     # ---- loop --------------------------------------------------------------------------------
@@ -153,8 +155,8 @@ class JobSupervisor:
         agent_restart = self._count_group_restarts(job, obs)
         for incident in self.incidents.observe(obs.records, agent_cause=agent_restart):
             self._recovered(incident)
-        self.index.observe(obs.kinds("checkpoint"))
-        if any(r.get("phase") == "rolled_back" for r in obs.kinds("checkpoint")):
+        self.index.observe(obs.kinds(RecordKind.CHECKPOINT))
+        if any(r.get("phase") == "rolled_back" for r in obs.kinds(RecordKind.CHECKPOINT)):
             self.forward_control("restore.json", "", local=True)  # consumed on rank 0's node
         self._note_store_wait(job, obs)
         faults = [f for d in self.detectors if (f := d.check(job, obs, agent_exit)) is not None]
@@ -226,7 +228,8 @@ class JobSupervisor:
 
         if agent_running:
             self._deliver_command(job)
-            if s in (JobState.STARTING, JobState.RECOVERING) and obs.kinds("start", "step"):
+            if s in (JobState.STARTING, JobState.RECOVERING) and \
+                    obs.kinds(RecordKind.START, RecordKind.STEP):
                 self._to(JobState.RUNNING, "workers are training" if s is JobState.STARTING
                          else "recovered: workers are training again")
         elif agent_exit == 0 and job.done_reason:
@@ -354,7 +357,8 @@ class JobSupervisor:
             self.agent = self.ctx.launcher.start(self.jobdir.path, cfg, attempt, endpoint,
                                                  run_id)
         assert self.agent is not None
-        self.store.record(self.name, "launch", f"agent attempt {attempt} pid {self.agent.ref.pid}",
+        self.store.record(self.name, EventKind.LAUNCH,
+                          f"agent attempt {attempt} pid {self.agent.ref.pid}",
                           agent_pid=self.agent.ref.pid, agent_started=self.agent.ref.started)
         self.log.info("agent started", attempt=attempt, pid=self.agent.ref.pid)
         if started_new:
@@ -362,7 +366,7 @@ class JobSupervisor:
                 self._start_peer_shares(cfg, endpoint, run_id, attempt)
             except PeerError as e:
                 fault = Fault("node_lost", str(e), restart=True)
-                self.store.record(self.name, "fault", fault.message, cause=fault.cause)
+                self.store.record(self.name, EventKind.FAULT, fault.message, cause=fault.cause)
                 self.ctx.metrics.faults.labels(self.name, fault.cause).inc()
                 self.log.warning("fault", cause=fault.cause, detail=fault.message)
                 self._restart_or_fail(self.store.get_job(self.name), fault)
@@ -395,10 +399,11 @@ class JobSupervisor:
                 missing.append(address)
                 self._peer_backoff[address] = time.monotonic() + 5.0
                 continue
-            self.store.record(self.name, "share", f"node {resp.node} started its share "
+            self.store.record(self.name, EventKind.SHARE, f"node {resp.node} started its share "
                               f"(agent pid {resp.agent_pid})")
         if missing:
-            self.store.record(self.name, "fault", f"node(s) {', '.join(missing)} unreachable; "
+            self.store.record(self.name, EventKind.FAULT,
+                              f"node(s) {', '.join(missing)} unreachable; "
                               f"the elastic job starts on the other "
                               f"{cfg.launch.nnodes - len(missing)} (min_nodes "
                               f"{cfg.launch.min_nodes})", cause="node_lost")
@@ -470,7 +475,8 @@ class JobSupervisor:
             self._returning.offered(address)
             self._peer_backoff.pop(address, None)
         cid, action = job.command_id + 1, Command(Action.RESTART).encode()
-        self.store.record(self.name, "command", f"node(s) {', '.join(back)} back: checkpoint, "
+        self.store.record(self.name, EventKind.COMMAND,
+                          f"node(s) {', '.join(back)} back: checkpoint, "
                           f"then relaunch on all nodes", command_id=cid, command_action=action,
                           detail={"id": cid, "action": action, "time": time.time()})
         self.wake.set()  # deliver the command on the next tick
@@ -572,7 +578,7 @@ class JobSupervisor:
         """The agent's own group restarts (a rank-0 `start` with restart > 0) count against the
         job's restart budget like the daemon's relaunches. Returns their cause (None if there
         were none)."""
-        starts = [r for r in obs.kinds("start") if r.get("rank") == 0]
+        starts = [r for r in obs.kinds(RecordKind.START) if r.get("rank") == 0]
         cause = self._note_world_change(job, starts)
         new = {(job.attempt, int(r.get("restart", 0))) for r in starts
                if int(r.get("restart", 0)) > 0}
@@ -590,7 +596,7 @@ class JobSupervisor:
         """Workers that have trained their last step wait for their newest checkpoint to be
         durable (trainer/loop.py wait_for_store) and say so: the status says what is pending
         (their heartbeats also keep the hang detector quiet)."""
-        waits = [r for r in obs.kinds("heartbeat") if r.get("phase") == "store_wait"]
+        waits = [r for r in obs.kinds(RecordKind.HEARTBEAT) if r.get("phase") == "store_wait"]
         if not waits or job.state is not JobState.RUNNING:
             return
         w = waits[-1]
@@ -608,7 +614,8 @@ class JobSupervisor:
         """One `recovered` event per fault the job came back from, with its time to detect,
         time to recover and steps lost, and the same numbers in the metrics."""
         detail = incident.as_detail()
-        self.store.record(self.name, "recovered", incident.message(), cause=incident.cause,
+        self.store.record(self.name, EventKind.RECOVERED, incident.message(),
+                          cause=incident.cause,
                           step=incident.resumed_from or 0, detail=detail)
         m = self.ctx.metrics
         if incident.time_to_detect_s is not None:
@@ -636,14 +643,14 @@ class JobSupervisor:
                            f"the job goes on with {world} of {old} processes: DP {dp_old} -> "
                            f"{dp_new}, TP x PP and the global batch kept, the checkpoint "
                            f"reshaped (universal) to the new layout")
-                self.store.record(self.name, "fault", message, cause=cause,
+                self.store.record(self.name, EventKind.FAULT, message, cause=cause,
                                   step=int(rec.get("step", 0)))
                 self.ctx.metrics.faults.labels(self.name, cause).inc()
             else:
                 cause = "node_joined"
                 message = (f"node(s) back: the job grows from {old} to {world} processes, DP "
                            f"{dp_old} -> {dp_new}, from the reshaped checkpoint")
-                self.store.record(self.name, "recovery", message, cause=cause,
+                self.store.record(self.name, EventKind.RECOVERY, message, cause=cause,
                                   step=int(rec.get("step", 0)))
             self.log.warning("world size changed", old=old, new=world, cause=cause)
         return cause
@@ -656,14 +663,14 @@ class JobSupervisor:
             m.loss.labels(self.name).set(job.loss)
         m.tokens_per_s.labels(self.name).set(job.tokens_per_s)
         self.analysis.export(m, self.name)
-        for rec in obs.kinds("step"):
+        for rec in obs.kinds(RecordKind.STEP):
             if isinstance(rec.get("mfu"), int | float):
                 m.mfu.labels(self.name).set(rec["mfu"])
         self._goodput.update(job, obs)
         ratio = self._goodput.ratio()
         if ratio is not None:
             m.goodput.labels(self.name).set(ratio)
-        for rec in obs.kinds("checkpoint"):
+        for rec in obs.kinds(RecordKind.CHECKPOINT):
             if rec.get("phase") == "committed" and isinstance(rec.get("time"), int | float):
                 m.last_commit.labels(self.name).set(rec["time"])
             if isinstance(rec.get("blocked_s"), int | float):
@@ -707,7 +714,7 @@ class Goodput:
         if job.state in _WORKING and self._last_tick is not None:
             self.wall += now - self._last_tick
         self._last_tick = now if job.state in _WORKING else None
-        for rec in obs.kinds("step"):
+        for rec in obs.kinds(RecordKind.STEP):
             if rec.get("rank", 0) == 0 and isinstance(rec.get("step_time_s"), int | float):
                 self._step_times = (self._step_times + [float(rec["step_time_s"])])[-100:]
                 step = int(rec.get("step", 0))

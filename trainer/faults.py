@@ -6,10 +6,11 @@ one rank becomes the same rollback on all ranks (a rank-0-only decision once let
 bad gradients through).
 
 Injection ("chaos drills") is requested by the daemon through `control/inject.json`
-{"id", "kind": nan|hang|crash|slow|spike, "rank", "at_step"} and only works when the daemon runs
-with --enable-fault-injection (the daemon refuses to write the file otherwise). A fault fires once:
-before acting, the target rank records `control/inject-done-<id>`, so a restarted worker does not
-crash again at the same step.
+{"id", "kind", "rank", "at_step"} and only works when the daemon runs with
+--enable-fault-injection (the daemon refuses to write the file otherwise). The kinds are
+`FaultKind` (trainer/kinds.py); `FAULT_ACTIONS` below gives each its behaviour, and a unit test
+checks that it covers exactly the registry. A fault fires once: before acting, the target rank
+records `control/inject-done-<id>`, so a restarted worker does not crash again at the same step.
 """
 
 from __future__ import annotations
@@ -18,13 +19,16 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from .config import FaultsConfig
+from .kinds import FaultKind, RecordKind
 
 EXIT_INJECTED_CRASH = 13
 
@@ -111,23 +115,37 @@ class FaultInjector:
             return None
         (self.control / f"inject-done-{req['id']}").write_text(str(step))
         self._pending = None
-        kind = req["kind"]
-        self.emit("fault", cause=f"injected_{kind}", step=step,
+        try:
+            kind = FaultKind(req.get("kind"))
+        except ValueError:  # only a daemon newer than this trainer writes a kind it lacks
+            print(f"ds3d: rank {self.rank} cannot inject fault {req.get('kind')!r} (request "
+                  f"{req.get('id')}): this trainer knows {', '.join(FaultKind)}",
+                  file=sys.stderr, flush=True)
+            return None
+        self.emit(RecordKind.FAULT, cause=f"injected_{kind}", step=step,
                   detail=f"drill: injected {kind} on rank {self.rank} (request {req['id']})")
-        if kind == "crash":
-            os._exit(EXIT_INJECTED_CRASH)
-        elif kind == "hang":
-            while True:
-                time.sleep(3600)
-        elif kind == "slow" and not self.slow:
+        FAULT_ACTIONS[kind](self, model)
+        return kind
+
+    def _crash(self, model: torch.nn.Module) -> None:
+        os._exit(EXIT_INJECTED_CRASH)
+
+    def _hang(self, model: torch.nn.Module) -> None:
+        while True:
+            time.sleep(3600)
+
+    def _slow(self, model: torch.nn.Module) -> None:
+        if not self.slow:
             self.slow = True
             _slow_down_forward(model, SLOW_FORWARD_S)
-        elif kind == "nan":
-            _poison_next_forward(model)
-        elif kind == "spike" and self._spike is None:
+
+    def _nan(self, model: torch.nn.Module) -> None:
+        _poison_next_forward(model)
+
+    def _spike_up(self, model: torch.nn.Module) -> None:
+        if self._spike is None:
             self._spike = (_scale_last_layer(model, SPIKE_FACTOR), self.spike_steps)
             self._spike_countdown()
-        return kind
 
     def _spike_countdown(self) -> None:
         """Counts the spiked steps in training order (a rollback does not bring them back):
@@ -141,6 +159,16 @@ class FaultInjector:
         else:
             self._spike = (handle, left - 1)
 
+
+# Each injectable fault's behaviour on the target rank, by kind: exactly the registry's kinds
+# (tests/unit/test_kinds.py), so a kind added to FaultKind without a behaviour fails a test.
+FAULT_ACTIONS: dict[FaultKind, Callable[[FaultInjector, torch.nn.Module], None]] = {
+    FaultKind.CRASH: FaultInjector._crash,
+    FaultKind.HANG: FaultInjector._hang,
+    FaultKind.SLOW: FaultInjector._slow,
+    FaultKind.NAN: FaultInjector._nan,
+    FaultKind.SPIKE: FaultInjector._spike_up,
+}
 
 SLOW_FORWARD_S = 0.1  # per micro-batch: a straggler is slow where it computes, not between steps
 SPIKE_FACTOR = 50.0  # logits x 50: an over-confident model whose loss jumps several-fold

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .config import JobConfig
+from .kinds import RecordKind
 from .partition import (
     CALIBRATION_STEPS,
     MemoryModel,
@@ -356,7 +357,7 @@ class PartitionTuner:
                               proposed_step_s=proposal.proposed.step_s,
                               current_bubble=round(proposal.current.bubble, 4),
                               proposed_bubble=round(proposal.proposed.bubble, 4))
-            self.emit("repartition", step=step, **fields)
+            self.emit(RecordKind.REPARTITION, step=step, **fields)
 
     def from_command(self, payload: dict[str, Any] | None) -> tuple[list[int] | None, str]:
         """The boundaries of rank 0's `repartition` command, agreed by every rank (one
@@ -378,7 +379,7 @@ class PartitionTuner:
         p, t = self.cfg.parallel, self.cfg.train
         mem = MemoryModel(bytes_per_param(t.precision, p.zero_stage, self.layout.dp_size),
                           self._memory_limit())
-        mine = {"kind": "profile", "step": step, "stage": self.layout.stage,
+        mine = {"kind": RecordKind.PROFILE, "step": step, "stage": self.layout.stage,
                 "partition": self.parts, "micro_batches": self.micro_batches,
                 "steps_sampled": len(self.profiler.steps), "source": source,
                 "calibration": self.profiler.calibration(),

@@ -26,6 +26,7 @@ from .config import JobConfig
 from .data import batch_index
 from .engine import StepResult, TrainStep
 from .faults import FaultInjector, RollbackBudget, SpikeDetector
+from .kinds import DoneReason, RecordKind
 from .layer_profile import PartitionTuner
 from .layout import ParallelLayout, ProcessEnv
 from .partition import current_partition
@@ -72,7 +73,7 @@ class Trainer:
         self.inbox = CommandInbox(run_dir)
         self.stop_at_step = stop_at_step
         self.step, self.tokens_seen, self.saved_step = 0, 0, -1
-        self.reporter.emit("heartbeat", step=0, phase="init")
+        self.reporter.emit(RecordKind.HEARTBEAT, step=0, phase="init")
         self.injector = FaultInjector(run_dir, env.rank, self.reporter.emit,
                                       spike_steps=cfg.faults.spike_patience)
         self.spikes, self.budget = SpikeDetector(cfg.faults), RollbackBudget(cfg.faults)
@@ -89,7 +90,7 @@ class Trainer:
         self.ckpt.partition = self.partition.boundaries  # a checkpoint of another split: universal
         rollback = self._read_rollback() if env.rank == 0 else None
         plan = self.ckpt.plan_restore(rollback) if cfg.checkpoint.load else None
-        self.reporter.emit("heartbeat", step=plan.step if plan else 0, phase="build")
+        self.reporter.emit(RecordKind.HEARTBEAT, step=plan.step if plan else 0, phase="build")
         self.step_fn = TrainStep(cfg, layout, device, load_universal=bool(plan and plan.universal),
                                  parts=self.partition.boundaries)
         self.tuner = PartitionTuner(
@@ -113,7 +114,7 @@ class Trainer:
             return None
 
     def _load(self, plan, rollback: int | None) -> None:
-        self.reporter.emit("heartbeat", step=plan.step, phase="load")
+        self.reporter.emit(RecordKind.HEARTBEAT, step=plan.step, phase="load")
         t0 = time.perf_counter()
         self.ckpt.load(self.step_fn.engine, plan)
         self.step = self.saved_step = plan.step
@@ -124,12 +125,12 @@ class Trainer:
         if merged != sorted(self.cfg.data.skip_batches):
             self.cfg.data.skip_batches = merged  # the batch plan reads this same config
         seconds = round(time.perf_counter() - t0, 3)
-        self.reporter.emit("checkpoint", step=plan.step, phase="loaded", seconds=seconds,
+        self.reporter.emit(RecordKind.CHECKPOINT, step=plan.step, phase="loaded", seconds=seconds,
                            universal=plan.universal)
         if rollback is not None:
             dropped = self.ckpt.drop_newer_than(plan.step)
             (self.run_dir / "control" / "restore.json").unlink(missing_ok=True)
-            self.reporter.emit("checkpoint", step=plan.step, phase="rolled_back",
+            self.reporter.emit(RecordKind.CHECKPOINT, step=plan.step, phase="rolled_back",
                                detail=f"deleted newer checkpoints {dropped}")
         log.info("resumed from checkpoint", step=plan.step, universal=plan.universal,
                  seconds=seconds)
@@ -147,7 +148,7 @@ class Trainer:
     def save(self) -> None:
         if self.step == self.saved_step:
             return
-        self.reporter.emit("heartbeat", step=self.step, phase="save")
+        self.reporter.emit(RecordKind.HEARTBEAT, step=self.step, phase="save")
         position = {"step": self.step,
                     "skip_batches": [list(w) for w in self.cfg.data.skip_batches],
                     "partition": self.partition.boundaries}
@@ -156,7 +157,8 @@ class Trainer:
         self.saved_step = self.step
         if self.auto is not None:
             self.auto.saved(self.step, blocked)
-        self.reporter.emit("checkpoint", step=self.step, phase="saved", blocked_s=round(blocked, 4))
+        self.reporter.emit(RecordKind.CHECKPOINT, step=self.step, phase="saved",
+                           blocked_s=round(blocked, 4))
         if self.tb is not None:
             self.tb.scalar("checkpoint/blocked_s", blocked, self.step)
         log.info("checkpoint saved", step=self.step, blocked_s=round(blocked, 3))
@@ -174,7 +176,7 @@ class Trainer:
             return False
         self.auto.read_failures()
         if (decision := self.auto.update()) is not None:
-            self.reporter.emit("checkpoint_interval", step=self.step, **decision.record())
+            self.reporter.emit(RecordKind.CHECKPOINT_INTERVAL, step=self.step, **decision.record())
         return self.auto.due()
 
     # -- the loop -----------------------------------------------------------------------------
@@ -219,20 +221,21 @@ class Trainer:
                       f"(steps {failed - suspect + 1}-{failed}); {detail}")
             extra = {"loss": r.loss, "median": sd.median, "threshold": sd.threshold,
                      "first_step": failed - suspect + 1}
-        self.reporter.emit("fault", cause=cause, step=failed, detail=detail, policy=policy,
+        self.reporter.emit(RecordKind.FAULT, cause=cause, step=failed, detail=detail, policy=policy,
                            **extra)
         if policy == "alert":
             return None
         if policy == "pause" or not self.budget.allow(failed):
             why = "policy" if policy == "pause" else (
                 f"{f.max_rollbacks} rollbacks within {f.rollback_window_steps} steps")
-            self.reporter.emit("fault", cause="rollback_budget" if policy != "pause" else cause,
+            self.reporter.emit(RecordKind.FAULT,
+                               cause="rollback_budget" if policy != "pause" else cause,
                                step=failed, detail=f"pausing the job ({why}); last good "
                                f"checkpoint is kept, bad weights are not saved")
             if suspect > 1:
                 self._drop_suspect_checkpoints(failed - suspect)
             self.saved_step = self.step  # never checkpoint the bad weights
-            return "paused"
+            return DoneReason.PAUSED
         t0 = time.perf_counter()
         # the newest checkpoint may still be uploading (a GPU step can be shorter than an
         # upload): let it commit, so the rollback loses the fewest steps and every rank sees it
@@ -240,10 +243,10 @@ class Trainer:
         dropped = self._drop_suspect_checkpoints(failed - suspect) if suspect > 1 else []
         plan = self.ckpt.plan_restore()
         if plan is None:
-            self.reporter.emit("fault", cause="no_checkpoint", step=failed,
+            self.reporter.emit(RecordKind.FAULT, cause="no_checkpoint", step=failed,
                                detail="no committed checkpoint to roll back to; pausing")
             self.saved_step = self.step
-            return "paused"
+            return DoneReason.PAUSED
         bad_batch = batch_index(failed - 1, self.cfg.data.skip_batches)
         first_batch = batch_index(plan.step, self.cfg.data.skip_batches)
         window = (max(first_batch, bad_batch - max(f.skip_batches, suspect) + 1), bad_batch + 1)
@@ -260,7 +263,7 @@ class Trainer:
             self.auto.last_save = time.monotonic()
         if self.tb is not None:
             self.tb.scalar(f"faults/rollback_{cause}", 1, failed)
-        self.reporter.emit("recovery", cause=cause, step=failed, recovered_to=plan.step,
+        self.reporter.emit(RecordKind.RECOVERY, cause=cause, step=failed, recovered_to=plan.step,
                            steps_lost=failed - plan.step, skipped_batches=list(window),
                            **({"dropped_checkpoints": dropped} if dropped else {}),
                            seconds=round(time.perf_counter() - t0, 3))
@@ -288,7 +291,8 @@ class Trainer:
             if split is not None:
                 self.tb.split(self.step, split)
         if self.env.rank == 0:
-            self.reporter.emit("step", step=self.step, loss=r.loss, grad_norm=r.grad_norm, lr=r.lr,
+            self.reporter.emit(RecordKind.STEP, step=self.step, loss=r.loss,
+                               grad_norm=r.grad_norm, lr=r.lr,
                                loss_scale=r.loss_scale, tokens_per_s=round(tps, 1),
                                step_time_s=round(r.seconds, 5), skipped=r.skipped,
                                tokens_seen=self.tokens_seen,
@@ -297,7 +301,7 @@ class Trainer:
                      grad_norm=None if r.grad_norm is None else round(r.grad_norm, 4),
                      tokens_per_s=round(tps, 1))
         extra = {"split": split, "stage": self.layout.stage} if split is not None else {}
-        self.reporter.emit("heartbeat", step=self.step, phase="train",
+        self.reporter.emit(RecordKind.HEARTBEAT, step=self.step, phase="train",
                            step_time_s=round(r.seconds, 5), **extra)
 
     def _obey(self, cid: int, action: int) -> str | None:
@@ -316,26 +320,28 @@ class Trainer:
                 self.tuner.commit(parts, "rebalance", self.step, "applied")
         if name in ("save", "pause", "stop", "restart") or parts is not None:
             self.save()
-        self.reporter.emit("command", id=cid, action=name, status=status, step=self.step,
+        self.reporter.emit(RecordKind.COMMAND, id=cid, action=name, status=status, step=self.step,
                            **({"detail": detail} if detail else {}))
         if parts is not None:
-            return "repartition"
+            return DoneReason.REPARTITION
         # restart: checkpoint and exit, the daemon relaunches on all nodes (a lost node is back)
-        return {"pause": "paused", "stop": "stopped", "stop_now": "stopped",
-                "restart": "restart"}.get(name)
+        return {"pause": DoneReason.PAUSED, "stop": DoneReason.STOPPED,
+                "stop_now": DoneReason.STOPPED, "restart": DoneReason.RESTART}.get(name)
 
     def run(self) -> str:
         """Trains to the configured step count; returns why it ended."""
         steps, interval = self.cfg.train.steps, self.cfg.checkpoint.interval
         first = self.step
-        self.reporter.emit("start", step=first, device=str(self.device), **self.layout.describe(),
+        self.reporter.emit(RecordKind.START, step=first, device=str(self.device),
+                           **self.layout.describe(),
                            partition=self.partition.boundaries,
                            partition_source=self.partition.source,
                            process_started=round(process_started_at() or 0.0, 3))
-        reason = "completed"
+        reason: str = DoneReason.COMPLETED
         if self.auto is not None:  # the work at risk starts with the first step
             self.auto.last_save = time.monotonic()
-            self.reporter.emit("checkpoint_interval", step=first, **self.auto.decision.record())
+            self.reporter.emit(RecordKind.CHECKPOINT_INTERVAL, step=first,
+                               **self.auto.decision.record())
         cid, action, _, _, _ = self._agree()
         while True:
             if action:
@@ -347,7 +353,7 @@ class Trainer:
                 break
             if self.stop_at_step is not None and self.step >= self.stop_at_step:
                 self.save()
-                reason = "paused"
+                reason = DoneReason.PAUSED
                 break
             self.injector.before_step(self.step + 1, self.step_fn.engine.module)
             self.tuner.before_step()
@@ -365,14 +371,14 @@ class Trainer:
                 continue
             if profiled is not None and self.tuner.decide(*profiled, self.step) is not None:
                 self.save()  # measured split is faster: restart on it from this checkpoint
-                reason = "repartition"
+                reason = DoneReason.REPARTITION
                 break
             every = interval if isinstance(interval, int) else 0
             if (due or (every and self.step % every == 0)) and self.step < steps:
                 self.save()
-        if reason == "completed" and self.step > first:
+        if reason == DoneReason.COMPLETED and self.step > first:
             self.save()
-        self.reporter.emit("done", step=self.step, reason=reason)
+        self.reporter.emit(RecordKind.DONE, step=self.step, reason=reason)
         return reason
 
     def wait_for_store(self, why: str) -> None:
@@ -392,8 +398,9 @@ class Trainer:
             pending = uploader.pending()
             mine = idle and newest not in pending
             if not mine:
-                self.reporter.emit("heartbeat", step=self.step, phase="store_wait", why=why,
-                                   newest=newest, pending=pending, failed=uploader.failed(),
+                self.reporter.emit(RecordKind.HEARTBEAT, step=self.step, phase="store_wait",
+                                   why=why, newest=newest, pending=pending,
+                                   failed=uploader.failed(),
                                    waited_s=round(time.monotonic() - t0, 1))
                 if idle:  # only failed uploads left: the uploader retries them after a while
                     time.sleep(STORE_WAIT_REPORT_S)

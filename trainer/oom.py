@@ -23,7 +23,10 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-EXIT_OOM = 12  # ENOMEM: the agent restarts the group; the daemon reads the `oom` record first
+from .kinds import RecordKind
+
+EXIT_OOM = 12  # ENOMEM: the agent restarts the group; the daemon reads the `fault` record (cause
+#               "oom") first
 
 _MARKERS = ("out of memory", "can't allocate memory", "std::bad_alloc",
             "cannot allocate memory")
@@ -198,7 +201,7 @@ def oom_evidence(exc: BaseException, cfg, device, last_step: int | None,
 def report_oom(ev: dict[str, Any], emit, rank: int) -> int:
     """Writes the evidence, one log line (no traceback: the record has what matters) and
     returns the worker's exit code."""
-    emit("fault", cause="oom", detail=f"out of memory in {ev['phase']}: {ev['error']}",
+    emit(RecordKind.FAULT, cause="oom", detail=f"out of memory in {ev['phase']}: {ev['error']}",
          **ev)
     gib = (ev.get("peak_bytes") or 0) / 2**30
     at = f"step {ev['step']}" if ev["step"] is not None else "start-up"

@@ -31,6 +31,7 @@ from typing import Any
 
 from .config import JobConfig, ModelConfig
 from .fileio import atomic_write_text
+from .kinds import RecordKind
 
 # unhooked steps of a profile window, timing each stage's total (layer_profile)
 CALIBRATION_STEPS = 2
@@ -409,7 +410,7 @@ def merge_profile_records(records: Iterable[dict[str, Any]],
     "bytes_per_param", "partition" (the one measured in the newest round)}."""
     rounds: dict[tuple[float, int], list[dict[str, Any]]] = {}
     for rec in records:
-        if rec.get("kind") != "profile" or not isinstance(rec.get("layers"), list):
+        if rec.get("kind") != RecordKind.PROFILE or not isinstance(rec.get("layers"), list):
             continue
         key = (float(rec.get("round", rec.get("time", 0.0))), int(rec.get("step", 0)))
         rounds.setdefault(key, []).append(rec)

@@ -10,17 +10,27 @@ Layout inside a job's run directory:
     reports/rank-00003.jsonl     records of global rank 3 (all restarts of the job append here)
 
 Every record has: `kind`, `time` (unix seconds), `rank`, `restart` (TORCHELASTIC_RESTART_COUNT),
-`node` (hostname) and `pid`. Kinds and their extra fields:
+`node` (hostname) and `pid`. Kinds (`RecordKind`, trainer/kinds.py: `emit` refuses any other)
+and their extra fields:
     start       world_size, tp, pp, dp, stage, dp_rank, tp_rank, device, step (resumed-from step),
                 partition, process_started (unix time the process started: the group's spawn)
     step        step, loss, grad_norm, lr, loss_scale, tokens_per_s, step_time_s, samples (rank 0
                 only writes `step` records; every rank writes `heartbeat`)
-    heartbeat   step (the last completed step), phase ("init", "train", "save", "load")
-    checkpoint  step, phase ("saved", "committed", "failed"), path, blocked_s, detail
-    fault       cause ("nan", "spike", ...), step, detail
+    heartbeat   step (the last completed step), phase ("init", "build", "load", "train", "save",
+                "store_wait")
+    checkpoint  step, phase ("saved", "committed", "failed", "uploaded", "abandoned", "skipped",
+                "loaded", "rolled_back", "reshaped", "retention", "swept", "cleanup_failed"),
+                path, blocked_s, cause, detail (the phases' meaning: daemon/reports.py)
+    fault       cause ("nan", "spike", "oom", "injected_<FaultKind>", ...), step, detail
     recovery    cause, step (the failed one), recovered_to, steps_lost, skipped_batches, seconds
                 (an in-process rollback)
-    done        step (the last step), reason ("completed", "paused", "stopped")
+    done        step (the last step), reason (`DoneReason`: "completed", "paused", "stopped",
+                "repartition", "restart")
+    checkpoint_interval  step, interval_s and the figures it was decided from ("auto" interval,
+                trainer/checkpoint_interval.py)
+    command     id, action, status ("done", "refused"), step, detail (a daemon command, rank 0)
+    profile     step, stage, partition, layers and the calibration (per-layer costs, every rank)
+    repartition step, decision, source, current, proposed (stage boundaries decided, rank 0)
 
 A full disk never stops training here: a record that does not fit is held in memory (in order,
 bounded) and written before the next one once there is room; a short write is cut back so no
@@ -42,6 +52,9 @@ from typing import Any
 
 from ds3d.checkpoints.disk_space import is_disk_full, shortage
 
+from .kinds import RecordKind
+
+_RECORD_KINDS = frozenset(RecordKind)
 HELD_RECORDS_MAX = 200_000  # records kept while the disk is full (~50 MB); the oldest go first
 
 
@@ -66,7 +79,12 @@ class Reporter:
         self._full_since: float | None = None
 
     def emit(self, kind: str, **fields: Any) -> None:
-        record = {"kind": kind, "time": round(time.time(), 3), **self._base, **fields}
+        """Appends one record; a `kind` outside the registry raises ValueError (the daemon
+        would store it under a kind nobody looks for)."""
+        if kind not in _RECORD_KINDS:
+            raise ValueError(f"report record kind {kind!r} is not a RecordKind "
+                             f"({', '.join(RecordKind)}): add it to trainer/kinds.py")
+        record = {"kind": str(kind), "time": round(time.time(), 3), **self._base, **fields}
         line = (json.dumps(record, separators=(",", ":"), default=float) + "\n").encode()
         with self._lock:
             self._held.append(line)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from .config import JobConfig
+from .kinds import RecordKind
 from .report import read_records, report_path
 
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0,
@@ -58,14 +59,15 @@ def restart_cause(records: list[dict[str, Any]], pid: int, world_size: int,
         return None
     prev = [r for r in before if r.get("pid") == before[-1].get("pid")]
     step = next((int(r.get("step", 0)) for r in mine
-                 if r.get("kind") == "checkpoint" and r.get("phase") == "loaded"), 0)
-    if any(r.get("kind") == "checkpoint" and r.get("phase") == "rolled_back" for r in mine):
+                 if r.get("kind") == RecordKind.CHECKPOINT and r.get("phase") == "loaded"), 0)
+    if any(r.get("kind") == RecordKind.CHECKPOINT and r.get("phase") == "rolled_back"
+           for r in mine):
         return "rollback", step
-    done = [r for r in prev if r.get("kind") == "done"]
+    done = [r for r in prev if r.get("kind") == RecordKind.DONE]
     if done:
         return f"after_{done[-1].get('reason') or 'done'}", step
     if restart > 0:
-        worlds = [int(r.get("world_size", 0)) for r in prev if r.get("kind") == "start"]
+        worlds = [int(r.get("world_size", 0)) for r in prev if r.get("kind") == RecordKind.START]
         old = worlds[-1] if worlds else world_size
         return ("node_lost" if old > world_size else "node_joined" if old < world_size
                 else "worker_exit"), step
