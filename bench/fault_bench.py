@@ -58,12 +58,18 @@ import tempfile
 import time
 from pathlib import Path
 
+from ds3d.trainer.kinds import FaultKind
+
 STEPS, AT = 30, 12
 SETS = [f"train.steps={STEPS}", "train.warmup_steps=2", "parallel.tp=2", "parallel.pp=2",
         "checkpoint.interval=5", "faults.spike_policy=rollback", "faults.spike_window=5",
         "faults.spike_mads=20"]
-SINGLE = {"nan": 1, "crash": 1, "hang": 1, "slow": 1, "spike": 3}  # kind -> rank it hits
-SCHEDULE = [("nan", 1, 8), ("crash", 2, 16), ("spike", 3, 22)]  # (kind, rank, at step)
+# kind -> rank it hits: every injectable kind, one run each
+SINGLE = {FaultKind.NAN: 1, FaultKind.CRASH: 1, FaultKind.HANG: 1, FaultKind.SLOW: 1,
+          FaultKind.SPIKE: 3}
+assert set(SINGLE) == set(FaultKind), "a FaultKind without a bench run"
+# (kind, rank, at step)
+SCHEDULE = [(FaultKind.NAN, 1, 8), (FaultKind.CRASH, 2, 16), (FaultKind.SPIKE, 3, 22)]
 
 
 def feed_schedule(run_dir: Path, schedule: list[tuple[str, int, int]], stop) -> None:
