@@ -8,8 +8,7 @@
         control/command.json     daemon -> workers, written as tmp + rename:
                                  {"id": n (increasing), "action": "save"|"pause"|"stop"|"stop_now"
                                   |"profile"|"repartition"|"restart", "time": unix s, ...};
-                                  repartition carries "boundaries" (ds3dctl rebalance); restart
-                                  = checkpoint and exit for a relaunch (a lost node is back)
+                                  the actions and their extra fields: daemon/commands.py
         partition.json           the decided pipeline stage boundaries (trainer/partition.py),
                                  written by the workers, read at every start
         control/restore.json     daemon -> workers before a rollback: {"step": n, "id": n}
@@ -36,7 +35,8 @@ from ds3d.trainer.errors import ConfigError
 from ds3d.trainer.fileio import atomic_write_text
 from ds3d.trainer.kinds import FaultKind
 
-ACTIONS = ("save", "pause", "stop", "stop_now", "profile", "repartition", "restart")
+from .commands import Command
+
 # Control files the head copies to the other nodes of a multi-node job: rank 0 (which reads
 # commands) and the rank named by an injection may run on any node.
 CONTROL_FILES = ("command.json", "restore.json", "inject.json", "failures.json")
@@ -85,11 +85,11 @@ class JobDir:
             d.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.job_json, config_json)
 
-    def write_command(self, command_id: int, action: str, **extra: Any) -> None:
-        if action not in ACTIONS:
-            raise ValueError(f"unknown worker command {action!r}")
+    def write_command(self, command_id: int, command: Command) -> None:
+        fields = command.file_fields()
         atomic_write_text(self.command_file, json.dumps(
-            {"id": command_id, "action": action, "time": round(time.time(), 3), **extra}))
+            {"id": command_id, "action": fields.pop("action"), "time": round(time.time(), 3),
+             **fields}))
 
     def command(self) -> dict[str, Any] | None:
         """The command file as last written (None if none yet or unreadable)."""

@@ -31,6 +31,7 @@ from ds3d.trainer.partition import (
 )
 
 from .ckpt_index import reconcile
+from .commands import Action, Command
 from .fit_check import check_fit
 from .jobdir import JobDir
 from .peers import PeerClient, check_peer_address
@@ -153,7 +154,7 @@ class JobService:
         job = self.store.get_job(name)
         check_action(name, "pause", job.state)
         self._require_desired_running(job, "pause")
-        return self._command(job, "pause_fast" if fast else "pause", JobState.PAUSED,
+        return self._command(job, Command(Action.PAUSE, fast=fast), JobState.PAUSED,
                              "pause requested" + (" (fast)" if fast else ""))
 
     def resume(self, name: str) -> Job:
@@ -167,16 +168,18 @@ class JobService:
     def stop(self, name: str, now: bool = False) -> Job:
         job = self.store.get_job(name)
         check_action(name, "stop", job.state)
-        if job.desired_state is JobState.STOPPED and not (now and job.command_action == "stop"):
+        if job.desired_state is JobState.STOPPED and \
+                not (now and Command.decode(job.command_action) == Command(Action.STOP)):
             return job  # already stopping; stop after stop is a no-op, stop --now escalates
-        return self._command(job, "stop_now" if now else "stop", JobState.STOPPED,
+        return self._command(job, Command(Action.STOP_NOW if now else Action.STOP),
+                             JobState.STOPPED,
                              "stop requested" + (" (now, no checkpoint)" if now else ""))
 
     def save(self, name: str) -> int:
         job = self.store.get_job(name)
         check_action(name, "save", job.state)
         self._require_desired_running(job, "save")
-        job = self._command(job, "save", JobState.RUNNING, "checkpoint requested")
+        job = self._command(job, Command(Action.SAVE), JobState.RUNNING, "checkpoint requested")
         return job.command_id
 
     def rollback(self, name: str, step: int) -> Job:
@@ -272,7 +275,7 @@ class JobService:
                                  "partition is applied by running workers at a step boundary "
                                  "(resume the job first), or look with --dry-run")
             self._require_desired_running(job, "rebalance")
-            job = self._command(job, "repartition:" + ",".join(map(str, new.boundaries)),
+            job = self._command(job, Command.repartition(new.boundaries),
                                 JobState.RUNNING, f"rebalance requested: stages "
                                 f"{fmt_boundaries(cur.boundaries)} -> "
                                 f"{fmt_boundaries(new.boundaries)} ({gain} faster slowest stage)")
@@ -286,9 +289,10 @@ class JobService:
         """Why there is no answer yet, after asking a running job's workers for a profile."""
         name, steps = job.name, CALIBRATION_STEPS + cfg.parallel.partition_profile_steps
         if job.state is JobState.RUNNING and job.desired_state is JobState.RUNNING:
-            pending = job.command_action == "profile" and job.command_acked < job.command_id
+            pending = Command.decode(job.command_action) == Command(Action.PROFILE) and \
+                job.command_acked < job.command_id
             if not pending:
-                job = self._command(job, "profile", JobState.RUNNING,
+                job = self._command(job, Command(Action.PROFILE), JobState.RUNNING,
                                     "layer profile requested (ds3dctl rebalance)")
             return (f"job {name!r} has no layer profile yet; its workers now time every layer "
                     f"over the next {steps} steps (command {job.command_id}): run `ds3dctl "
@@ -404,10 +408,10 @@ class JobService:
                          f"{'paused' if job.desired_state is JobState.PAUSED else 'stopped'} "
                          f"(state {job.state.name}); wait for that to finish")
 
-    def _command(self, job: Job, action: str, desired: JobState, message: str) -> Job:
+    def _command(self, job: Job, command: Command, desired: JobState, message: str) -> Job:
         """Stores the intent (desired state + next command id) with its event; the supervisor
         writes the command file (and re-writes it after a daemon crash)."""
-        cid = job.command_id + 1
+        cid, action = job.command_id + 1, command.encode()
         job = self.store.record(job.name, EventKind.COMMAND, message, desired_state=desired,
                                 command_id=cid, command_action=action,
                                 detail={"id": cid, "action": action, "time": time.time()})
