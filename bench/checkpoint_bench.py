@@ -93,7 +93,8 @@ def bench_model(name: str, sets: list[str], work: Path, endpoint: str, repeats: 
     run_dir = work / name
     step_fn = TrainStep(cfg, layout, device)
     engine = step_fn.engine
-    ckpt = CheckpointManager(cfg, run_dir, Rank(0, 1, 0, 1, 1, 1), device, lambda *a, **k: None)
+    ckpt = CheckpointManager(cfg.checkpoint_settings(), run_dir, Rank(0, 1, 0, 1, 1, 1), device,
+                             lambda *a, **k: None)
     n_params = sum(p.numel() for p in engine.module.parameters())
 
     sync_blocked, ours_blocked, ours_durable, ours_copy = [], [], [], []

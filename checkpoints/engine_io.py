@@ -26,15 +26,13 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from ds3d.trainer.config import JobConfig
-
 from .catalog import Catalog, CkptState
 from .disk_space import Shortage
 from .errors import CheckpointError, Ds3dError
 from .identity import claim_prefix, local_job_id
 from .manifest import CheckpointMeta, Layout, Manifest
 from .reshape import check_reshapable, convert_to_universal, needs_reshape
-from .retention import cleanup_grace_s
+from .settings import CheckpointSettings
 from .snapshot import SnapshotCheckpointEngine
 from .storage import Storage, job_store_url, open_storage
 from .upload import Uploader, UploadEvent
@@ -66,29 +64,29 @@ class Rank:
     dp: int
 
 
-def open_job_storage(cfg: JobConfig, run_dir: Path) -> Storage:
+def open_job_storage(settings: CheckpointSettings, run_dir: Path) -> Storage:
     """The job's durable tier, opened with its `[checkpoint.s3]` transfer settings (set fields
     win over the daemon's DS3D_S3_* environment); nothing is read from it yet."""
-    url = job_store_url(cfg.checkpoint.store, cfg.name, run_dir)
+    url = job_store_url(settings.store, settings.job, run_dir)
     options: dict[str, Any] = {}
     if url.startswith("s3://"):
         from .s3_storage import options_from_settings
 
-        options = options_from_settings(cfg.checkpoint.s3.model_dump())
+        options = options_from_settings(settings.s3)
     return open_storage(url, **options)
 
 
 class CheckpointManager:
-    def __init__(self, cfg: JobConfig, run_dir: Path, me: Rank, device: torch.device,
-                 emit: Emit) -> None:
-        self.cfg, self.me, self.device, self.emit = cfg, me, device, emit
-        self.local_dir = Path(cfg.checkpoint.local_dir or Path(run_dir) / "ckpt")
+    def __init__(self, settings: CheckpointSettings, run_dir: Path, me: Rank,
+                 device: torch.device, emit: Emit) -> None:
+        self.settings, self.me, self.device, self.emit = settings, me, device, emit
+        self.local_dir = Path(settings.local_dir or Path(run_dir) / "ckpt")
         self.local_dir.mkdir(parents=True, exist_ok=True)
-        self.storage: Storage = open_job_storage(cfg, Path(run_dir))
+        self.storage: Storage = open_job_storage(settings, Path(run_dir))
         # before anything is read or written: whose prefix is this (identity.py)
         self.job_id = self._agree_job_id(Path(run_dir))
         if me.rank == 0:
-            claim_prefix(self.storage, self.job_id, cfg.name)
+            claim_prefix(self.storage, self.job_id, settings.job)
         self.catalog = Catalog(self.storage, self.local_dir, job_id=self.job_id,
                                on_skip=self._on_skip)
         self.uploader = Uploader(self.storage, self.local_dir, me.rank, me.world_size,
@@ -149,10 +147,10 @@ class CheckpointManager:
                                       f"{found.step if found else 'none'})")
         manifest = self.catalog.load_manifest(step, local_only=True) if found is None else \
             found.manifest
-        if manifest.model_hash and manifest.model_hash != self.cfg.model_hash():
+        if manifest.model_hash and manifest.model_hash != self.settings.model_hash:
             raise CheckpointError(
                 f"checkpoint step {step} was saved by a different model architecture (hash "
-                f"{manifest.model_hash}, this job {self.cfg.model_hash()}); restore it with the "
+                f"{manifest.model_hash}, this job {self.settings.model_hash}); restore it with the "
                 "same [model] settings, or start a new job name / store")
         saved = manifest.layout
         me = self.me
@@ -162,7 +160,7 @@ class CheckpointManager:
         universal = needs_reshape(saved, me.tp, me.pp, me.dp) or moved
         tag = manifest.tag
         if universal:
-            check_reshapable(saved, me.tp, me.pp, me.dp, self.cfg.parallel.zero_stage)
+            check_reshapable(saved, me.tp, me.pp, me.dp, self.settings.zero_stage)
             if me.local_rank == 0:
                 t0 = time.perf_counter()
                 tag = convert_to_universal(self.local_dir, manifest.tag)
@@ -205,7 +203,7 @@ class CheckpointManager:
             return 0
         params = list(engine.module.parameters())
         numel = sum(p.numel() for p in params)
-        shard = numel // self.me.dp if self.cfg.parallel.zero_stage >= 1 else numel
+        shard = numel // self.me.dp if self.settings.zero_stage >= 1 else numel
         nbytes = int((sum(p.numel() * p.element_size() for p in params) + 12 * shard) * 1.1) \
             + (64 << 20)
         self.snapshot.reserve_pinned(nbytes)
@@ -218,9 +216,9 @@ class CheckpointManager:
         tag = tag_for(step)
         me = self.me
         self._meta[tag] = (step, CheckpointMeta(
-            job=self.cfg.name, job_id=self.job_id, tokens_seen=tokens_seen, tag=tag,
+            job=self.settings.job, job_id=self.job_id, tokens_seen=tokens_seen, tag=tag,
             layout=Layout(tp=me.tp, pp=me.pp, dp=me.dp, world_size=me.world_size),
-            model_hash=self.cfg.model_hash(), data_position=data_position))
+            model_hash=self.settings.model_hash, data_position=data_position))
         t0 = time.perf_counter()
         engine.save_checkpoint(str(self.local_dir), tag=tag, client_state=client_state,
                                save_latest=False)
@@ -258,10 +256,10 @@ class CheckpointManager:
         """After a commit: retention, then leftovers older than the grace period. A failed
         cleanup is its own `cleanup_failed` record, for the step it failed on; it changes the
         state of no checkpoint (not of the one just committed, not of any other)."""
-        c = self.cfg.checkpoint
+        c = self.settings
         try:
             kept = self.catalog.apply_retention(c.keep_last, c.keep_every)
-            swept = self.catalog.sweep(cleanup_grace_s(c))
+            swept = self.catalog.sweep(c.cleanup_grace_s)
         except Ds3dError as e:  # listing the store failed: nothing was deleted
             self.emit("checkpoint", step=step, phase="cleanup_failed", cause="retention",
                       detail=str(e))
@@ -275,7 +273,7 @@ class CheckpointManager:
         if swept.steps or swept.temporaries or swept.uploads:
             self.emit("checkpoint", step=step, phase="swept", steps=swept.steps,
                       temporaries=len(swept.temporaries), uploads=len(swept.uploads),
-                      detail=f"removed leftovers older than {cleanup_grace_s(c):.0f} s: "
+                      detail=f"removed leftovers older than {c.cleanup_grace_s:.0f} s: "
                              f"uncommitted steps {swept.steps}, {len(swept.temporaries)} "
                              f"temporary files, {len(swept.uploads)} multipart uploads")
         for what, error in swept.failed.items():

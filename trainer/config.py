@@ -14,12 +14,15 @@ import json
 import re
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator
 
 from .errors import ConfigError
 from .presets import PRESETS
+
+if TYPE_CHECKING:
+    from ds3d.checkpoints.settings import CheckpointSettings
 
 # A job name names a folder, a store prefix and a database row: 1-63 characters of a-z, 0-9,
 # '.', '_', '-', the first a letter or digit. Always test it with `valid_job_name` (fullmatch):
@@ -292,7 +295,7 @@ class CheckpointConfig(_Section):
     cleanup_grace_s: float = Field(
         default=3600.0, ge=0, le=2592000, allow_inf_nan=False, description="seconds before the "
         "leftovers of interrupted saves (uncommitted steps older than the newest commit, "
-        "temporary files, unfinished multipart uploads) are removed (checkpoints/retention.py)")
+        "temporary files, unfinished multipart uploads) are removed (checkpoints/catalog.py)")
     load: bool = Field(default=True, description="resume from the newest complete checkpoint")
     s3: S3TransferConfig = Field(default_factory=S3TransferConfig,
                                  description="transfer settings for an s3:// store")
@@ -375,6 +378,18 @@ class JobConfig(_Section):
         """Identifies the architecture: a checkpoint restores only into the same hash."""
         blob = json.dumps(self.model.model_dump(mode="json"), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+    def checkpoint_settings(self) -> CheckpointSettings:
+        """What the workers' checkpointing reads of this job (checkpoints/settings.py): storage
+        takes these, never the JobConfig, so it knows no trainer."""
+        from ds3d.checkpoints.settings import CheckpointSettings
+
+        c = self.checkpoint
+        return CheckpointSettings(
+            job=self.name, store=c.store, local_dir=c.local_dir, keep_last=c.keep_last,
+            keep_every=c.keep_every, cleanup_grace_s=c.cleanup_grace_s,
+            model_hash=self.model_hash(), zero_stage=self.parallel.zero_stage,
+            s3=c.s3.model_dump())
 
     def dump_json(self) -> str:
         return self.model_dump_json(indent=2)

@@ -83,8 +83,9 @@ class Trainer:
                                  c.auto_initial_save_cost_s) \
             if c.interval == "auto" and env.rank == 0 else None
         self.ckpt = CheckpointManager(
-            cfg, run_dir, Rank(env.rank, env.world_size, env.local_rank, layout.tp_size,
-                               layout.pp_size, layout.dp_size), device, self._emit_checkpoint)
+            cfg.checkpoint_settings(), run_dir,
+            Rank(env.rank, env.world_size, env.local_rank, layout.tp_size, layout.pp_size,
+                 layout.dp_size), device, self._emit_checkpoint)
         # stage boundaries: RUN_DIR/partition.json (a measured or rebalanced split) or the method
         self.partition = current_partition(cfg, run_dir)
         self.ckpt.partition = self.partition.boundaries  # a checkpoint of another split: universal

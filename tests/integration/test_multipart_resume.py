@@ -359,7 +359,7 @@ def test_transfer_settings_from_the_job_config(monkeypatch: pytest.MonkeyPatch,
                                     "checkpoint.s3.multipart_chunksize_mib=16",
                                     "checkpoint.s3.max_bandwidth_mib=0",
                                     "checkpoint.s3.outage_retries=4"])
-    storage = open_job_storage(cfg, tmp_path)
+    storage = open_job_storage(cfg.checkpoint_settings(), tmp_path)
     assert isinstance(storage, S3Storage) and storage.prefix == "runs/tiny/"
     assert storage.transfer.multipart_chunksize == 16 << 20
     assert storage.transfer.max_bandwidth is None  # 0 = unlimited

@@ -1,0 +1,43 @@
+"""Storage gets a job's checkpoint settings, never its JobConfig: `JobConfig.checkpoint_settings()`
+is the one place they are taken from the configuration, so each field must carry what the job
+set (a field left at its default here would silently change retention, the store or a
+restore's architecture check)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from ds3d.checkpoints.engine_io import open_job_storage
+from ds3d.checkpoints.file_storage import FileStorage
+from ds3d.checkpoints.settings import CheckpointSettings
+from ds3d.trainer.config import build_job_config
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_every_setting_comes_from_the_job(tmp_path: Path) -> None:
+    cfg = build_job_config("tiny", [
+        f'checkpoint.store="file://{tmp_path}/durable"', f'checkpoint.local_dir="{tmp_path}/l"',
+        "checkpoint.keep_last=7", "checkpoint.keep_every=50", "checkpoint.cleanup_grace_s=90",
+        "parallel.zero_stage=2", "checkpoint.s3.outage_retries=4"], name="settings-job")
+    s = cfg.checkpoint_settings()
+    assert s == CheckpointSettings(
+        job="settings-job", store=f"file://{tmp_path}/durable", local_dir=f"{tmp_path}/l",
+        keep_last=7, keep_every=50, cleanup_grace_s=90.0, model_hash=cfg.model_hash(),
+        zero_stage=2, s3={**{k: None for k in cfg.checkpoint.s3.model_dump()},
+                          "outage_retries": 4})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.keep_last = 1  # type: ignore[misc]
+
+
+def test_job_storage_is_the_jobs_prefix(tmp_path: Path) -> None:
+    """The job's prefix below checkpoint.store; the default store is a folder of the run dir."""
+    given = build_job_config("tiny", [f'checkpoint.store="file://{tmp_path}/durable"'], name="a")
+    storage = open_job_storage(given.checkpoint_settings(), tmp_path / "run")
+    assert isinstance(storage, FileStorage) and storage.root == tmp_path / "durable" / "a"
+    default = build_job_config("tiny", name="b")
+    storage = open_job_storage(default.checkpoint_settings(), tmp_path / "run")
+    assert isinstance(storage, FileStorage) and storage.root == tmp_path / "run" / "store" / "b"
