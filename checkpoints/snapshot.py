@@ -26,17 +26,30 @@ error)` reports the bytes this rank's files needed against the bytes free on tha
 Nothing older is touched: earlier tags live in their own folders and nothing here deletes
 them, so the last good checkpoint survives. Any other write error is kept and raised by the
 next save, as before.
+
+The newest save stays readable from host memory (`held()`, `serving_held()`): an in-process
+rollback to it reads the host copy instead of waiting for the files and reading them back
+(DeepSpeed's own `load_checkpoint` runs unchanged, over a folder of empty stand-ins for the
+tag's files; only where each file's dict comes from differs). Invariant: a held snapshot is
+exactly the state its save copied, because the only writes into the host buffers are a later
+save's copies, and `create()` (the first call of every save, before any copy) forgets the held
+snapshot. A rollback that finds nothing held, because a later save has begun reusing the
+buffers, reads the local tier.
 """
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import mmap
 import os
 import queue
+import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,10 +60,29 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 )
 
 from .disk_space import Shortage, is_disk_full, shortage
+from .errors import CheckpointError
 
 DurableCallback = Callable[[str, list[str]], None]
 # (tag, its file paths, what did not fit, the error's text): a save abandoned for a full disk
 FailedCallback = Callable[[str, list[str], Shortage, str], None]
+
+
+@dataclass(frozen=True)
+class HeldSnapshot:
+    """The newest save's host copy: each file's path (as DeepSpeed named it) -> its state."""
+
+    tag: str  # DeepSpeed's tag, the folder name its files live in
+    files: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class _Serving:
+    """A memory rollback in progress: DeepSpeed reads `folder`'s stand-in files."""
+
+    folder: str
+    mine: dict[str, Any]  # this rank's files by name: their held state
+    others: dict[str, Any]  # the other ranks' files by name: their skeletons
+    device: torch.device | None
 
 
 class SnapshotCheckpointEngine(CheckpointEngine):
@@ -70,6 +102,8 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         self._arena_used = 0
         self._arena_thread: threading.Thread | None = None
         self._device_copies = False  # the last save copied from the GPU (asynchronously)
+        self._held: HeldSnapshot | None = None  # the newest save's copy, while it is intact
+        self._serving: _Serving | None = None  # loads read the held copy (a memory rollback)
         self.copy_seconds = 0.0  # time of the last save's host copies (the blocked part)
         self._thread = threading.Thread(target=self._write_loop, name="ckpt-writer", daemon=True)
         self._thread.start()
@@ -77,6 +111,7 @@ class SnapshotCheckpointEngine(CheckpointEngine):
     # -- DeepSpeed's interface (training thread) -----------------------------------------------
 
     def create(self, info: CheckpointCommitInfo) -> None:
+        self._held = None  # this save reuses the buffers: the previous copy is going away
         self.wait()  # the previous snapshot's buffers are free again
         self._raise_pending_error()
         self._staged = []
@@ -95,12 +130,17 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         self._staged.append((snapshot, path, counter[1]))
 
     def load(self, path: str, map_location: Any = None) -> Any:
+        if self._serving is not None:
+            return self._serve(self._serving, path)
         self.wait()
         return torch.load(path, map_location=map_location, weights_only=False)
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
         paths = [path for _, path, _ in self._staged]
         needed = sum(nbytes for _, _, nbytes in self._staged)
+        self._held = HeldSnapshot(info.tag, {os.path.normpath(path): snapshot
+                                             for snapshot, path, _ in self._staged}) \
+            if self._staged else None
         for snapshot, path, _ in self._staged:
             self._jobs.put(("write", snapshot, path))
         self._staged = []
@@ -133,6 +173,53 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         self._arena_thread = threading.Thread(target=reserve, name="ckpt-pin", daemon=True)
         self._arena_thread.start()
 
+    def held(self) -> HeldSnapshot | None:
+        """The newest save's host copy, or None once a later save has begun (or none was
+        made in this process)."""
+        return self._held
+
+    def held_skeleton(self) -> dict[str, Any]:
+        """Each held file's name -> its state with every tensor a meta tensor (shape and dtype,
+        no data): what another rank needs to list and check this rank's files."""
+        held = self._held
+        return {} if held is None else {os.path.basename(p): _skeleton(snap)
+                                        for p, snap in held.files.items()}
+
+    @contextmanager
+    def serving_held(self, others: dict[str, Any],
+                     device: torch.device | None = None) -> Iterator[str]:
+        """Yields a folder to give DeepSpeed's `load_checkpoint` as its load_dir: it holds the
+        held tag's folder with an empty stand-in file for each of this rank's files and each
+        name in `others` (the other ranks' `held_skeleton()`), so DeepSpeed's listing (glob)
+        and existence checks see what the finished writes will show, whether or not they have
+        finished. While open, loads are served from memory, never from a file: one of this
+        rank's files gets a copy of what its save copied (new tensors and objects, as
+        `torch.load` of the written file would give, so training never writes into the host
+        buffers, which the writer thread may still be serialising); another rank's file gets
+        its skeleton (DeepSpeed reads the first file of a listing only to check its
+        `mp_world_size`; any use of its tensors fails loudly, since meta tensors hold no data).
+
+        With a CUDA `device` that has room for a file's tensors, those of 1 MiB or more are
+        copied straight onto it (from the pinned arena, at full bandwidth) rather than into new
+        host memory that DeepSpeed would then copy up at pageable speed; the bytes are the
+        same, and DeepSpeed copies every such tensor into its own device state anyway. Small
+        ones (torch's non-fused Adam keeps its step counters on the CPU) stay on the host."""
+        held = self._held
+        if held is None:
+            raise CheckpointError("no checkpoint is held in host memory (a later save has begun "
+                                  "reusing its buffers); roll back from the local tier")
+        mine = {os.path.basename(p): snap for p, snap in held.files.items()}
+        with tempfile.TemporaryDirectory(prefix="ds3d-memory-rollback-") as stand_ins:
+            folder = Path(stand_ins) / held.tag
+            folder.mkdir()
+            for name in set(mine) | set(others):
+                (folder / name).touch()
+            self._serving = _Serving(str(folder), mine, others, device)
+            try:
+                yield stand_ins
+            finally:
+                self._serving = None
+
     def arena_ready(self) -> bool:
         """No arena is being reserved any more (or none was asked for)."""
         return self._arena_thread is None or self._arena is not None
@@ -160,6 +247,23 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         if self._error is not None:
             err, self._error = self._error, None
             raise RuntimeError(f"background checkpoint write failed: {err}") from err
+
+    @staticmethod
+    def _serve(serving: _Serving, path: str) -> Any:
+        folder, name = os.path.split(os.path.normpath(path))
+        if folder != serving.folder or (name not in serving.mine and name not in serving.others):
+            raise CheckpointError(f"rollback from memory: {path} is not part of the held "
+                                  f"checkpoint ({serving.folder})")
+        if name not in serving.mine:
+            return copy.deepcopy(serving.others[name])
+        snapshot, device = serving.mine[name], serving.device
+        if device is not None and device.type == "cuda":
+            nbytes = sum(t.numel() * t.element_size() for t in _tensors(snapshot))
+            free, _total = torch.cuda.mem_get_info(device)
+            if free < nbytes * 1.1 + (1 << 30):
+                device = None  # no room for a second copy of this file: host memory
+        return _fresh_copy(snapshot, device if device is not None and device.type == "cuda"
+                           else None)
 
     def _to_host(self, obj: Any, name: str, counter: list[int]) -> Any:
         if isinstance(obj, torch.Tensor):
@@ -254,6 +358,48 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         if self.on_failed is None:
             raise RuntimeError(short.message(f"checkpoint {tag}")) from error
         self.on_failed(tag, paths, short, str(error))
+
+
+def _fresh_copy(obj: Any, device: torch.device | None = None) -> Any:
+    """What `torch.load` of a snapshot's file gives: the same structure, values and dtypes, in
+    new tensors and objects that share nothing with the snapshot (tensors of 1 MiB or more on
+    `device` when one is given)."""
+    if isinstance(obj, torch.Tensor):
+        if device is not None and obj.numel() * obj.element_size() >= 1 << 20:
+            return obj.to(device, copy=True, non_blocking=True)
+        return obj.clone()
+    if isinstance(obj, dict):
+        return type(obj)((k, _fresh_copy(v, device)) for k, v in obj.items())
+    if isinstance(obj, list):
+        return [_fresh_copy(v, device) for v in obj]
+    if isinstance(obj, torch.Size):
+        return obj
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_fresh_copy(v, device) for v in obj)
+    return copy.deepcopy(obj)
+
+
+def _skeleton(obj: Any) -> Any:
+    """`obj` with every tensor replaced by a meta tensor of its shape and dtype."""
+    if isinstance(obj, torch.Tensor):
+        return torch.empty(obj.shape, dtype=obj.dtype, device="meta")
+    if isinstance(obj, dict):
+        return type(obj)((k, _skeleton(v)) for k, v in obj.items())
+    if isinstance(obj, list):
+        return [_skeleton(v) for v in obj]
+    if isinstance(obj, tuple) and not isinstance(obj, torch.Size) and not hasattr(obj, "_fields"):
+        return tuple(_skeleton(v) for v in obj)
+    return obj
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, list | tuple) and not isinstance(obj, torch.Size):
+        return [t for v in obj for t in _tensors(v)]
+    return []
 
 
 def _tag_of(path: str) -> str:
