@@ -41,6 +41,7 @@ class Incident:
     last_step_time: float | None
     resumed_from: int | None = None
     recovered: float | None = None
+    source: str | None = None  # an in-process rollback's: where it read the state from
 
     @property
     def time_to_detect_s(self) -> float | None:
@@ -64,14 +65,16 @@ class Incident:
         return {"cause": self.cause, "noticed_by": self.noticed_by,
                 "time_to_detect_s": r(self.time_to_detect_s),
                 "time_to_recover_s": r(self.time_to_recover_s), "steps_lost": self.steps_lost,
-                "last_step": self.last_step, "resumed_from": self.resumed_from}
+                "last_step": self.last_step, "resumed_from": self.resumed_from,
+                **({"source": self.source} if self.source else {})}
 
     def message(self) -> str:
         detect = self.time_to_detect_s
         noticed = ("" if detect is None else
                    f"noticed {detect:.1f} s after the last step ({self.noticed_by}), ")
         return (f"recovered from {self.cause}: {noticed}training again "
-                f"{self.time_to_recover_s or 0.0:.1f} s later from step {self.resumed_from}; "
+                f"{self.time_to_recover_s or 0.0:.1f} s later from step {self.resumed_from}"
+                f"{f' (read from {self.source})' if self.source else ''}; "
                 f"{self.steps_lost} step(s) trained again")
 
 
@@ -113,7 +116,8 @@ class IncidentClock:
                 closed.append(Incident(
                     str(rec.get("cause", "")), "workers", t, int(rec.get("step", 0)), t,
                     resumed_from=int(rec["recovered_to"]),
-                    recovered=t + float(rec.get("seconds", 0.0))))
+                    recovered=t + float(rec.get("seconds", 0.0)),
+                    source=str(rec["source"]) if rec.get("source") else None))
                 self.last_step, self.last_step_time = int(rec["recovered_to"]), t
         return closed
 

@@ -85,8 +85,10 @@ def record_to_event(rec: dict[str, Any]) -> dict[str, Any] | None:
         a, b = (rec.get("skipped_batches") or [0, 0])[:2]  # [a, b): batches skipped from now
         skipped = "" if b <= a else f", batch {a} skipped" if b == a + 1 else \
             f", batches {a}-{b - 1} skipped"
+        source = f" (read from {rec['source']})" if rec.get("source") else ""
         ev["message"] = (f"{ev['cause']} at step {ev['step']}: rolled back to the checkpoint of "
-                         f"step {rec.get('recovered_to')} in {rec.get('seconds', 0)} s{skipped}")
+                         f"step {rec.get('recovered_to')}{source} in {rec.get('seconds', 0)} s"
+                         f"{skipped}")
     elif kind == RecordKind.DONE:
         ev["message"] = f"workers done at step {ev['step']}: {rec.get('reason', '')}"
     elif kind == RecordKind.CHECKPOINT_INTERVAL:

@@ -71,6 +71,23 @@ def test_in_process_rollback_is_closed_by_its_own_record():
     [inc] = clock.observe([step(6, 8.0), rec, {**rec, "rank": 1}])
     assert (inc.cause, inc.noticed_by, inc.steps_lost) == ("nan", "workers", 1)
     assert inc.time_to_recover_s == pytest.approx(0.4)
+    assert "source" not in inc.as_detail()  # a trainer that did not say where it read from
+
+
+def test_in_process_rollback_says_where_it_read_the_state_from():
+    """The `recovered` event and the `recovery` event name the source (trainer/loop.py)."""
+    from ds3d.daemon.reports import record_to_event
+
+    rec = {"kind": "recovery", "cause": "nan", "step": 7, "recovered_to": 6, "steps_lost": 1,
+           "seconds": 0.4, "time": 9.0, "rank": 0, "source": "memory",
+           "skipped_batches": [6, 7]}
+    [inc] = IncidentClock().observe([step(6, 8.0), rec])
+    assert inc.as_detail()["source"] == "memory"
+    assert "from step 6 (read from memory); 1 step(s) trained again" in inc.message()
+    ev = record_to_event(rec)
+    assert ev is not None and ev["message"] == (
+        "nan at step 7: rolled back to the checkpoint of step 6 (read from memory) in 0.4 s, "
+        "batch 6 skipped")
 
 
 def test_planned_restarts_and_ended_jobs_open_nothing():
