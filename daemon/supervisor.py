@@ -87,6 +87,7 @@ class JobSupervisor:
         self.ctx = ctx
         self.store = ctx.store
         self.jobdir = JobDir(ctx.jobs_root, name)
+        self._held_config: tuple[str, str, JobConfig] | None = None  # see _config
         local = self._config(self.store.get_job(name)).checkpoint.local_dir
         self.tail = ReportTail(ctx.store, self.jobdir, Path(local) if local else None)
         self.analysis = StepAnalysis()
@@ -689,9 +690,14 @@ class JobSupervisor:
             for address in cfg.launch.hosts[1:]:
                 self.ctx.peers.stop_share(address, self.name, now=True)
 
-    @staticmethod
-    def _config(job: Job) -> JobConfig:
-        return JobConfig.model_validate_json(job.config_json)
+    def _config(self, job: Job) -> JobConfig:
+        """The job's configuration, parsed once and held (keyed by the job and the stored
+        text), not again at each use on every tick. Read-only: callers must not change it."""
+        held = self._held_config
+        if held is None or held[0] != job.name or held[1] != job.config_json:
+            held = (job.name, job.config_json, JobConfig.model_validate_json(job.config_json))
+            self._held_config = held  # one assignment: the service's thread may read it too
+        return held[2]
 
 
 REJOIN_COMMAND_WAIT_S = 60.0  # a command the workers never acknowledge does not block a rejoin
