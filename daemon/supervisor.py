@@ -13,7 +13,9 @@ the stored job, so an intent stored before a daemon crash is carried out after t
         incidents  = faults whose workers train again -> one `recovered` event each, with
                      time to detect, time to recover, steps lost (daemon/incidents.py)
         faults     = [d.check(job, obs, agent_exit) for d in detectors]
-        _decide_and_act(job, obs, agent_exit, faults)
+        handler    = handler_for(state, requested state, rollback?) (daemon/decisions.py):
+                     WIND_DOWN | ROLLBACK | START | BRING_UP | SUPERVISE, one method each
+        handler(Tick(job, obs, agent_exit, faults))
 
 Every transition goes through the store (table-checked, intent first). Detectors and the restart
 policy are objects passed in, so a new fault needs a new detector, not a change to this loop.
@@ -26,6 +28,7 @@ import re
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,12 +36,13 @@ from typing import Any
 from ds3d.checkpoints.disk_space import is_disk_full
 from ds3d.trainer.config import JobConfig
 from ds3d.trainer.errors import Ds3dError
-from ds3d.trainer.kinds import EventKind, RecordKind
+from ds3d.trainer.kinds import DoneReason, EventKind, RecordKind
 from ds3d.trainer.oom import CgroupMemory
 from ds3d.v1 import control_pb2 as pb
 
 from .ckpt_index import IndexReconciler
 from .commands import Action, Command
+from .decisions import END_STATES, Handler, done_reason, handler_for
 from .detectors import AgentExitDetector, Detector, Fault, HangDetector, StartupDetector
 from .disk import DiskWatch
 from .extension_cache import cache_roots, job_extensions_dir
@@ -81,6 +85,19 @@ class SupervisorContext:
     detectors: list[Detector] | None = field(default=None)
 
 
+@dataclass(frozen=True)
+class Tick:
+    """What one pass saw, handed to the handler chosen for it: the stored job, the new report
+    records, the agent's exit code (None while it runs or when there is none), the faults the
+    detectors found, and whether an agent of this daemon runs."""
+
+    job: Job
+    obs: Observation
+    agent_exit: int | None
+    faults: list[Fault]
+    agent_running: bool
+
+
 class JobSupervisor:
     def __init__(self, name: str, ctx: SupervisorContext) -> None:
         self.name = name
@@ -109,6 +126,10 @@ class JobSupervisor:
         self._peer_backoff: dict[str, float] = {}      # node address -> monotonic retry time
         self._peer_wait_since: float | None = None
         self._returning = ReturningNodes(ctx.peers) if ctx.peers is not None else None
+        self._handlers: dict[Handler, Callable[[Tick], None]] = {
+            Handler.WIND_DOWN: self._wind_down, Handler.ROLLBACK: self._rollback,
+            Handler.START: self._start, Handler.BRING_UP: self._bring_up,
+            Handler.SUPERVISE: self._supervise}
         job = self.store.get_job(name)
         self._goodput = Goodput()
         self.incidents = IncidentClock()
@@ -174,88 +195,111 @@ class JobSupervisor:
             return True
         return False
 
-    # ---- decide + act ------------------------------------------------------------------------
+    # ---- decide + act: one handler per (state, requested state), see daemon/decisions.py ----
 
     def _decide_and_act(self, job: Job, obs: Observation, agent_exit: int | None,
                         faults: list[Fault]) -> None:
-        s, want = job.state, job.desired_state
-        agent_running = self.agent is not None and agent_exit is None
+        tick = Tick(job, obs, agent_exit, faults,
+                    agent_running=self.agent is not None and agent_exit is None)
+        self._handlers[handler_for(job.state, job.desired_state, job.rollback_step >= 0)](tick)
 
-        if want in (JobState.STOPPED, JobState.PAUSED):
-            hung = next((f for f in faults if f.cause in ("hang", "startup_timeout")), None)
-            if agent_running and hung is not None:
-                # workers that cannot obey the request: it is carried out without them (no
-                # restart); nothing is lost that a restart would have kept
-                self._record_fault(job, hung)
-                self._kill_agent(now=True)
-                self._to(want, f"{want.name.lower()} on request without the workers' final "
-                         f"checkpoint ({hung.message}); the newest committed checkpoint (step "
-                         f"{job.last_ckpt_step}) is kept", cause=hung.cause, agent_pid=0,
-                         agent_started=0)
-                return
-            if agent_running:
-                self._deliver_command(job)
-                return
-            if s is JobState.PAUSED and want is JobState.PAUSED:
-                return
-            if Command.decode(job.command_action) != Command(Action.STOP_NOW) and \
-                    self._peers_busy(job):
-                return  # their ranks may still be committing the checkpoint
-            if job.done_reason == "completed" and agent_exit == 0:
-                # the last step came before the workers read the pause/stop command
-                self._to(JobState.COMPLETED, f"workers completed all steps ({job.step}) before "
-                         f"the {want.name.lower()} request took effect", agent_pid=0,
-                         agent_started=0)
-                return
-            reason = job.done_reason or ("no workers were running" if self.agent is None
-                                         else f"agent exit code {agent_exit}")
-            self._to(want, f"{want.name.lower()} on request ({reason})", agent_pid=0,
+    def _wind_down(self, t: Tick) -> None:
+        """A pause or stop is requested: the workers get the command; once they (and the other
+        nodes' agents) are done, the job ends in the requested state. Hung workers cannot obey:
+        the request is then carried out without them."""
+        job, want = t.job, t.job.desired_state
+        hung = next((f for f in t.faults if f.cause in ("hang", "startup_timeout")), None)
+        if t.agent_running and hung is not None:
+            # workers that cannot obey the request: it is carried out without them (no
+            # restart); nothing is lost that a restart would have kept
+            self._record_fault(job, hung)
+            self._kill_agent(now=True)
+            self._to(want, f"{want.name.lower()} on request without the workers' final "
+                     f"checkpoint ({hung.message}); the newest committed checkpoint (step "
+                     f"{job.last_ckpt_step}) is kept", cause=hung.cause, agent_pid=0,
                      agent_started=0)
             return
+        if t.agent_running:
+            self._deliver_command(job)
+            return
+        if job.state is JobState.PAUSED and want is JobState.PAUSED:
+            return
+        if Command.decode(job.command_action) != Command(Action.STOP_NOW) and \
+                self._peers_busy(job):
+            return  # their ranks may still be committing the checkpoint
+        if done_reason(job.done_reason) is DoneReason.COMPLETED and t.agent_exit == 0:
+            # the last step came before the workers read the pause/stop command
+            self._to(JobState.COMPLETED, f"workers completed all steps ({job.step}) before "
+                     f"the {want.name.lower()} request took effect", agent_pid=0,
+                     agent_started=0)
+            return
+        reason = job.done_reason or ("no workers were running" if self.agent is None
+                                     else f"agent exit code {t.agent_exit}")
+        self._to(want, f"{want.name.lower()} on request ({reason})", agent_pid=0,
+                 agent_started=0)
 
-        if job.rollback_step >= 0:
-            self._rollback(job, agent_running)
-            return
-        if s is JobState.PENDING or s is JobState.PAUSED:
-            self._to(JobState.STARTING, "starting workers" if s is JobState.PENDING
-                     else "resuming from the newest checkpoint", agent_pid=0, agent_started=0,
-                     done_reason="")
-            self.agent = None
-            return
-        if s in (JobState.STARTING, JobState.RECOVERING) and self.agent is None:
-            if time.time() >= job.next_launch_at:
-                self._launch(job)
-            return
+    def _start(self, t: Tick) -> None:
+        """PENDING (new) or PAUSED (resume) and to run: STARTING; the launch follows."""
+        s = t.job.state
+        self._to(JobState.STARTING, "starting workers" if s is JobState.PENDING
+                 else "resuming from the newest checkpoint", agent_pid=0, agent_started=0,
+                 done_reason="")
+        self.agent = None
 
-        if agent_running:
+    def _bring_up(self, t: Tick) -> None:
+        """STARTING or RECOVERING: launches the agent once its (back-off) time has come, then
+        supervises it like a running one."""
+        if self.agent is None:
+            if time.time() >= t.job.next_launch_at:
+                self._launch(t.job)
+            return
+        self._supervise(t)
+
+    def _supervise(self, t: Tick) -> None:
+        """The agent runs (deliver pending commands; STARTING/RECOVERING -> RUNNING at the
+        workers' first `start` or `step` record) or has ended: after the workers' `done`
+        with exit code 0, their reason decides; otherwise the first fault that restarts or
+        fails the job does."""
+        job, s = t.job, t.job.state
+        if t.agent_running:
             self._deliver_command(job)
             if s in (JobState.STARTING, JobState.RECOVERING) and \
-                    obs.kinds(RecordKind.START, RecordKind.STEP):
+                    t.obs.kinds(RecordKind.START, RecordKind.STEP):
                 self._to(JobState.RUNNING, "workers are training" if s is JobState.STARTING
                          else "recovered: workers are training again")
-        elif agent_exit == 0 and job.done_reason:
-            if self._peers_busy(job):
-                return
-            if job.done_reason == "repartition":
-                # the workers checkpointed and wrote partition.json (measured split or ds3dctl
-                # rebalance): a planned restart, not counted against the restart budget
-                self._to(JobState.RECOVERING, f"restarting the workers on a new pipeline "
-                         f"partition from the checkpoint of step {job.step} (planned, not a "
-                         f"fault)", cause="repartition", agent_pid=0, agent_started=0,
-                         done_reason="", next_launch_at=0)
-                return
-            if job.done_reason == "restart":  # _welcome_back: a lost node answers again
-                self._to(JobState.RECOVERING, f"relaunching on all nodes from the checkpoint of "
-                         f"step {job.step}: a lost node is back (planned, not a fault)",
-                         cause="node_back", agent_pid=0, agent_started=0, done_reason="",
-                         next_launch_at=0)
-                return
-            end = {"completed": JobState.COMPLETED, "paused": JobState.PAUSED,
-                   "stopped": JobState.STOPPED}.get(job.done_reason, JobState.FAILED)
-            self._to(end, f"workers exited after `done` ({job.done_reason}) at step {job.step}",
-                     agent_pid=0, agent_started=0)
+        elif t.agent_exit == 0 and job.done_reason:
+            self._workers_done(job)
             return
+        self._act_on_faults(job, t.faults)
 
+    def _workers_done(self, job: Job) -> None:
+        """The workers said `done` and their agent exited 0: a planned restart (not counted
+        against the restart budget) or the end their reason names (FAILED for a reason the
+        trainer does not write), once the other nodes' agents are done too."""
+        if self._peers_busy(job):
+            return
+        reason = done_reason(job.done_reason)
+        if reason is DoneReason.REPARTITION:
+            # the workers checkpointed and wrote partition.json (measured split or ds3dctl
+            # rebalance): a planned restart, not counted against the restart budget
+            self._to(JobState.RECOVERING, f"restarting the workers on a new pipeline "
+                     f"partition from the checkpoint of step {job.step} (planned, not a "
+                     f"fault)", cause="repartition", agent_pid=0, agent_started=0,
+                     done_reason="", next_launch_at=0)
+            return
+        if reason is DoneReason.RESTART:  # _welcome_back: a lost node answers again
+            self._to(JobState.RECOVERING, f"relaunching on all nodes from the checkpoint of "
+                     f"step {job.step}: a lost node is back (planned, not a fault)",
+                     cause="node_back", agent_pid=0, agent_started=0, done_reason="",
+                     next_launch_at=0)
+            return
+        end = END_STATES.get(reason, JobState.FAILED) if reason is not None else JobState.FAILED
+        self._to(end, f"workers exited after `done` ({job.done_reason}) at step {job.step}",
+                 agent_pid=0, agent_started=0)
+
+    def _act_on_faults(self, job: Job, faults: list[Fault]) -> None:
+        """Records the faults in order, up to the first that restarts (or, past the restart
+        budget, fails) the job or is fatal, and acts on that one."""
         for fault in faults:
             fault = self._record_fault(job, fault)
             if fault.restart:
@@ -325,9 +369,10 @@ class JobSupervisor:
                  agent_started=0, restarts=job.restarts + 1, done_reason="",
                  next_launch_at=time.time() + decision.delay_s)
 
-    def _rollback(self, job: Job, agent_running: bool) -> None:
+    def _rollback(self, t: Tick) -> None:
         """Stop the workers without saving, tell them which step to load, start them again."""
-        if agent_running:
+        job = t.job
+        if t.agent_running:
             self._kill_agent(now=True)
         self.jobdir.write_restore(job.rollback_step, job.command_id)
         self.forward_control("restore.json", (self.jobdir.control / "restore.json").read_text())
