@@ -24,8 +24,6 @@ policy are objects passed in, so a new fault needs a new detector, not a change 
 from __future__ import annotations
 
 import os
-import re
-import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -38,7 +36,6 @@ from ds3d.trainer.config import JobConfig
 from ds3d.trainer.errors import Ds3dError
 from ds3d.trainer.kinds import DoneReason, EventKind, RecordKind
 from ds3d.trainer.oom import CgroupMemory
-from ds3d.v1 import control_pb2 as pb
 
 from .ckpt_index import IndexReconciler
 from .commands import Action, Command
@@ -48,22 +45,22 @@ from .disk import DiskWatch
 from .extension_cache import cache_roots, job_extensions_dir
 from .failure_history import FailureHistory
 from .incidents import Incident, IncidentClock
+from .job_metrics import JobMetrics
 from .jobdir import JobDir
 from .launcher import AgentHandle, Launcher, kill_strays
 from .logging import get_logger
 from .metrics import Metrics
+from .multinode import JobNodes
 from .oom import OomDetector
-from .peers import REPORT_FILE_RE, PeerClient, PeerError, ReturningNodes
+from .peers import PeerClient, PeerError
 from .policies import RestartPolicy
 from .procs import ProcessRef
 from .rendezvous import start_store
-from .reports import PROBLEM_PHASES, Observation, ReportTail
+from .reports import Observation, ReportTail
 from .stacks import StackDump, dump_stacks, suspects
 from .states import TERMINAL, JobState
 from .step_analysis import StepAnalysis
 from .store import Job, Store
-
-_WORKING = (JobState.STARTING, JobState.RUNNING, JobState.RECOVERING)
 
 
 @dataclass
@@ -122,16 +119,14 @@ class JobSupervisor:
         self.wake = threading.Event()
         self.agent: AgentHandle | None = None
         self._seen_group_restarts: set[tuple[int, int]] = set()
-        self._unsent: dict[tuple[str, str], str] = {}  # (node address, file) -> text to copy
-        self._peer_backoff: dict[str, float] = {}      # node address -> monotonic retry time
-        self._peer_wait_since: float | None = None
-        self._returning = ReturningNodes(ctx.peers) if ctx.peers is not None else None
+        self.nodes = JobNodes(name, self.jobdir, ctx.store, ctx.metrics, ctx.peers, ctx.node,
+                              ctx.peer_finish_timeout_s, self._config)
         self._handlers: dict[Handler, Callable[[Tick], None]] = {
             Handler.WIND_DOWN: self._wind_down, Handler.ROLLBACK: self._rollback,
             Handler.START: self._start, Handler.BRING_UP: self._bring_up,
             Handler.SUPERVISE: self._supervise}
         job = self.store.get_job(name)
-        self._goodput = Goodput()
+        self.exported = JobMetrics(ctx.metrics, name, self.analysis)
         self.incidents = IncidentClock()
         # the checkpoint index against the store: now (a daemon (re)start), after trouble
         self.index = IndexReconciler(ctx.store, ctx.metrics, name)
@@ -171,7 +166,7 @@ class JobSupervisor:
         """One pass; True once the job is terminal and cleaned up."""
         agent_exit = self.agent.poll() if self.agent is not None else None
         self.disk.tick(self.store.get_job(self.name))
-        self._sync_peers(self.store.get_job(self.name))
+        self.nodes.pull_reports(self.store.get_job(self.name))
         obs = self.tail.poll()
         job = self.store.get_job(self.name)
         agent_restart = self._count_group_restarts(job, obs)
@@ -179,7 +174,7 @@ class JobSupervisor:
             self._recovered(incident)
         self.index.observe(obs.kinds(RecordKind.CHECKPOINT))
         if any(r.get("phase") == "rolled_back" for r in obs.kinds(RecordKind.CHECKPOINT)):
-            self.forward_control("restore.json", "", local=True)  # consumed on rank 0's node
+            self.nodes.forward_control("restore.json", "", local=True)  # read on rank 0's node
         self._note_store_wait(job, obs)
         faults = [f for d in self.detectors if (f := d.check(job, obs, agent_exit)) is not None]
         if self.disk.blocking():  # the workers train on; their reports wait for room
@@ -187,9 +182,10 @@ class JobSupervisor:
         self._decide_and_act(job, obs, agent_exit, faults)
         job = self.store.get_job(self.name)
         self._welcome_back(job)
-        self._export(job, obs)
+        self.exported.export(job, obs)
         if job.state.live:  # checkpoint.interval = "auto" needs the failure rate
-            self.failures.publish(lambda file, text: self.forward_control(file, text, local=True))
+            self.failures.publish(
+                lambda file, text: self.nodes.forward_control(file, text, local=True))
         if job.state in TERMINAL:
             self._cleanup(job)
             return True
@@ -225,7 +221,7 @@ class JobSupervisor:
         if job.state is JobState.PAUSED and want is JobState.PAUSED:
             return
         if Command.decode(job.command_action) != Command(Action.STOP_NOW) and \
-                self._peers_busy(job):
+                self.nodes.busy(job):
             return  # their ranks may still be committing the checkpoint
         if done_reason(job.done_reason) is DoneReason.COMPLETED and t.agent_exit == 0:
             # the last step came before the workers read the pause/stop command
@@ -276,7 +272,7 @@ class JobSupervisor:
         """The workers said `done` and their agent exited 0: a planned restart (not counted
         against the restart budget) or the end their reason names (FAILED for a reason the
         trainer does not write), once the other nodes' agents are done too."""
-        if self._peers_busy(job):
+        if self.nodes.busy(job):
             return
         reason = done_reason(job.done_reason)
         if reason is DoneReason.REPARTITION:
@@ -375,7 +371,8 @@ class JobSupervisor:
         if t.agent_running:
             self._kill_agent(now=True)
         self.jobdir.write_restore(job.rollback_step, job.command_id)
-        self.forward_control("restore.json", (self.jobdir.control / "restore.json").read_text())
+        self.nodes.forward_control("restore.json",
+                                   (self.jobdir.control / "restore.json").read_text())
         dst = JobState.STARTING if job.state is JobState.PAUSED else JobState.RECOVERING
         self._to(dst, f"rolling back to the checkpoint of step {job.rollback_step}",
                  cause="rollback", rollback_step=-1, agent_pid=0, agent_started=0,
@@ -409,7 +406,7 @@ class JobSupervisor:
         self.log.info("agent started", attempt=attempt, pid=self.agent.ref.pid)
         if started_new:
             try:
-                self._start_peer_shares(cfg, endpoint, run_id, attempt)
+                self.nodes.start_shares(cfg, endpoint, run_id, attempt)
             except PeerError as e:
                 fault = Fault("node_lost", str(e), restart=True)
                 self.store.record(self.name, EventKind.FAULT, fault.message, cause=fault.cause)
@@ -427,34 +424,6 @@ class JobSupervisor:
             port = job.rdzv_port
         return f"{self.ctx.rdzv_host}:{port}"
 
-    def _start_peer_shares(self, cfg: JobConfig, endpoint: str, run_id: str,
-                           attempt: int) -> None:
-        if cfg.launch.nnodes <= 1 or self.ctx.peers is None:
-            return
-        req = pb.StartShareRequest(config_json=cfg.dump_json(), head_node=self.ctx.node,
-                                   rdzv_endpoint=endpoint, run_id=run_id, attempt=attempt)
-        missing: list[str] = []
-        for address in cfg.launch.hosts[1:]:
-            try:
-                resp = self.ctx.peers.start_share(address, req)
-            except PeerError:
-                # an elastic job starts without nodes it can spare (they join when back)
-                if not cfg.elastic or cfg.launch.nnodes - len(missing) - 1 < \
-                        (cfg.launch.min_nodes or cfg.launch.nnodes):
-                    raise
-                missing.append(address)
-                self._peer_backoff[address] = time.monotonic() + 5.0
-                continue
-            self.store.record(self.name, EventKind.SHARE, f"node {resp.node} started its share "
-                              f"(agent pid {resp.agent_pid})")
-        if missing:
-            self.store.record(self.name, EventKind.FAULT,
-                              f"node(s) {', '.join(missing)} unreachable; "
-                              f"the elastic job starts on the other "
-                              f"{cfg.launch.nnodes - len(missing)} (min_nodes "
-                              f"{cfg.launch.min_nodes})", cause="node_lost")
-            self.ctx.metrics.faults.labels(self.name, "node_lost").inc()
-
     def _deliver_command(self, job: Job) -> None:
         """(Re)writes the pending command unless the workers already have it; escalates a
         `stop_now` that the workers did not obey within the grace period."""
@@ -466,7 +435,7 @@ class JobSupervisor:
             if command is None:
                 raise ValueError(f"command {job.command_id} is pending but none is stored")
             self.jobdir.write_command(job.command_id, command)
-            self.forward_control("command.json", self.jobdir.command_file.read_text())
+            self.nodes.forward_control("command.json", self.jobdir.command_file.read_text())
             self.log.info("command written", id=job.command_id, action=str(command.action))
             return
         if command == Command(Action.STOP_NOW) and \
@@ -502,7 +471,7 @@ class JobSupervisor:
         own. A fresh attempt (new run id) has no such state, and ending the workers by command
         leaves no checkpoint half uploaded."""
         if job.state is not JobState.RUNNING or job.desired_state is not JobState.RUNNING or \
-                job.rollback_step >= 0 or self._returning is None or not self._world:
+                job.rollback_step >= 0 or self.nodes.returning is None or not self._world:
             return
         cfg = self._config(job)
         if not cfg.elastic or self._world >= cfg.parallel.world_size:
@@ -510,7 +479,7 @@ class JobSupervisor:
         pending = job.command_acked < job.command_id
         if pending and Command.decode(job.command_action) == Command(Action.RESTART):
             return  # ours, under way
-        back = self._returning.poll(self.name, self._peer_addresses(job))
+        back = self.nodes.returning.poll(self.name, self.nodes.addresses(job))
         if not back:
             return
         if pending:  # another command first, unless the workers never acknowledged it
@@ -518,99 +487,14 @@ class JobSupervisor:
             if cmd is None or time.time() - float(cmd.get("time", 0)) < REJOIN_COMMAND_WAIT_S:
                 return
         for address in back:
-            self._returning.offered(address)
-            self._peer_backoff.pop(address, None)
+            self.nodes.returning.offered(address)
+            self.nodes.reachable_again(address)
         cid, action = job.command_id + 1, Command(Action.RESTART).encode()
         self.store.record(self.name, EventKind.COMMAND,
                           f"node(s) {', '.join(back)} back: checkpoint, "
                           f"then relaunch on all nodes", command_id=cid, command_action=action,
                           detail={"id": cid, "action": action, "time": time.time()})
         self.wake.set()  # deliver the command on the next tick
-
-    # ---- other nodes of a multi-node job ----------------------------------------------------
-
-    def _peer_addresses(self, job: Job | None = None) -> list[str]:
-        cfg = self._config(job or self.store.get_job(self.name))
-        if cfg.launch.nnodes <= 1 or self.ctx.peers is None:
-            return []
-        return list(cfg.launch.hosts[1:])
-
-    def forward_control(self, file: str, text: str, local: bool = False) -> None:
-        """Copies a control file (text "" removes it; `local` also here) to every other node
-        of the job; a node that cannot be reached gets it on a later tick."""
-        if local:
-            self.jobdir.write_control(file, text)
-        for address in self._peer_addresses():
-            self._unsent[(address, file)] = text
-        self._send_unsent()
-
-    def _send_unsent(self) -> None:
-        assert self.ctx.peers is not None or not self._unsent
-        for (address, file), text in list(self._unsent.items()):
-            if time.monotonic() < self._peer_backoff.get(address, 0.0):
-                continue
-            try:
-                self.ctx.peers.share_control(address, self.name, file, text)  # type: ignore[union-attr]
-            except PeerError as e:
-                self._peer_backoff[address] = time.monotonic() + 5.0
-                self.log.warning("control file not delivered", node=address, file=file,
-                                 error=str(e))
-                continue
-            if self._unsent.get((address, file)) == text:
-                del self._unsent[(address, file)]
-
-    def _peers_busy(self, job: Job) -> bool:
-        """True while another node's agent of this job still runs after the workers here
-        ended (its ranks may still be uploading their checkpoint shards or committing the
-        manifest): the job ends, and its shares are stopped, only once they are done, or after
-        `peer_finish_timeout_s`. A node that does not answer counts as done."""
-        addresses = self._peer_addresses(job)
-        if not addresses:
-            return False
-        now = time.monotonic()
-        if self._peer_wait_since is None:
-            self._peer_wait_since = now
-        if now - self._peer_wait_since > self.ctx.peer_finish_timeout_s:
-            self.log.warning("other nodes' agents did not finish; ending them",
-                             waited_s=round(now - self._peer_wait_since))
-            self._peer_wait_since = None
-            return False
-        for address in addresses:
-            try:
-                status = self.ctx.peers.status(address)  # type: ignore[union-attr]
-            except PeerError as e:
-                self.log.warning("node did not answer NodeStatus", node=address, error=str(e))
-                continue
-            if any(sh.job == self.name and sh.agent_alive for sh in status.shares):
-                return True
-        self._peer_wait_since = None
-        return False
-
-    def _sync_peers(self, job: Job) -> None:
-        """Appends the other nodes' new report lines to reports/nodes/<node>/ (whole lines,
-        at the offset each copy already has, so a repeated pull never duplicates a record)."""
-        addresses = self._peer_addresses(job)
-        if not addresses:
-            return
-        self._send_unsent()
-        for address in addresses:
-            if time.monotonic() < self._peer_backoff.get(address, 0.0):
-                continue
-            mirror = self.jobdir.reports / "nodes" / re.sub(r"[^A-Za-z0-9._-]", "_", address)
-            mirror.mkdir(parents=True, exist_ok=True)
-            have = {p.name: p.stat().st_size for p in mirror.glob("rank-*.jsonl")}
-            try:
-                resp = self.ctx.peers.pull_reports(address, self.name, have)  # type: ignore[union-attr]
-            except PeerError as e:
-                self._peer_backoff[address] = time.monotonic() + 5.0
-                self.log.warning("cannot pull reports", node=address, error=str(e))
-                continue
-            for chunk in resp.chunks:
-                if not REPORT_FILE_RE.match(chunk.file) or chunk.offset != have.get(chunk.file, 0):
-                    continue
-                with open(mirror / chunk.file, "ab") as fh:
-                    fh.write(chunk.data)
-                have[chunk.file] = chunk.offset + len(chunk.data)
 
     # ---- bookkeeping -------------------------------------------------------------------------
 
@@ -682,7 +566,7 @@ class JobSupervisor:
                 continue
             cfg = self._config(job)
             dp_old, dp_new = old // (cfg.parallel.tp * cfg.parallel.pp), int(rec.get("dp", 0))
-            gone = sorted(a for a, t in self._peer_backoff.items() if t > time.monotonic())
+            gone = self.nodes.unreachable()
             if world < old:
                 cause = "node_lost"
                 message = (f"node lost{': ' + ', '.join(gone) + ' unreachable' if gone else ''}; "
@@ -701,39 +585,11 @@ class JobSupervisor:
             self.log.warning("world size changed", old=old, new=world, cause=cause)
         return cause
 
-    def _export(self, job: Job, obs: Observation) -> None:
-        m = self.ctx.metrics
-        m.set_state(self.name, job.state)
-        m.step.labels(self.name).set(job.step)
-        if job.loss is not None:
-            m.loss.labels(self.name).set(job.loss)
-        m.tokens_per_s.labels(self.name).set(job.tokens_per_s)
-        self.analysis.export(m, self.name)
-        for rec in obs.kinds(RecordKind.STEP):
-            if isinstance(rec.get("mfu"), int | float):
-                m.mfu.labels(self.name).set(rec["mfu"])
-        self._goodput.update(job, obs)
-        ratio = self._goodput.ratio()
-        if ratio is not None:
-            m.goodput.labels(self.name).set(ratio)
-        for rec in obs.kinds(RecordKind.CHECKPOINT):
-            if rec.get("phase") == "committed" and isinstance(rec.get("time"), int | float):
-                m.last_commit.labels(self.name).set(rec["time"])
-            if isinstance(rec.get("blocked_s"), int | float):
-                m.checkpoint_blocked.labels(self.name).observe(float(rec["blocked_s"]))
-            if isinstance(rec.get("bytes"), int) and rec.get("phase") == "committed":
-                m.upload_bytes.labels(self.name).inc(rec["bytes"])
-            if rec.get("phase") in PROBLEM_PHASES:
-                m.checkpoint_problems.labels(self.name, rec["phase"]).inc()
-
     def _cleanup(self, job: Job) -> None:
         """Terminal: nothing of the job may keep running on any node."""
         self._kill_agent(now=True)
         ProcessRef(job.rdzv_pid, job.rdzv_started).terminate(grace_s=2.0)
-        cfg = self._config(job)
-        if cfg.launch.nnodes > 1 and self.ctx.peers is not None:
-            for address in cfg.launch.hosts[1:]:
-                self.ctx.peers.stop_share(address, self.name, now=True)
+        self.nodes.stop_shares(self._config(job))
 
     def _config(self, job: Job) -> JobConfig:
         """The job's configuration, parsed once and held (keyed by the job and the stored
@@ -746,37 +602,6 @@ class JobSupervisor:
 
 
 REJOIN_COMMAND_WAIT_S = 60.0  # a command the workers never acknowledge does not block a rejoin
-
-
-class Goodput:
-    """Useful training time over wall time while the job should be training, since this
-    daemon began supervising it: useful = new steps (re-trained ones are not new) x the median
-    step time; restarts, recovery, re-training and blocked saves all lower it."""
-
-    def __init__(self) -> None:
-        self.wall = 0.0
-        self.useful = 0.0
-        self._last_tick: float | None = None
-        self._max_step: int | None = None
-        self._step_times: list[float] = []
-
-    def update(self, job: Job, obs: Observation) -> None:
-        now = time.monotonic()
-        if job.state in _WORKING and self._last_tick is not None:
-            self.wall += now - self._last_tick
-        self._last_tick = now if job.state in _WORKING else None
-        for rec in obs.kinds(RecordKind.STEP):
-            if rec.get("rank", 0) == 0 and isinstance(rec.get("step_time_s"), int | float):
-                self._step_times = (self._step_times + [float(rec["step_time_s"])])[-100:]
-                step = int(rec.get("step", 0))
-                if self._max_step is None:
-                    self._max_step = step - 1
-                if step > self._max_step:
-                    self.useful += (step - self._max_step) * statistics.median(self._step_times)
-                    self._max_step = step
-
-    def ratio(self) -> float | None:
-        return min(1.0, self.useful / self.wall) if self.wall > 1.0 else None
 
 
 class Supervisors:
@@ -816,7 +641,7 @@ class Supervisors:
         self.ensure(name)
         sup = self._sups.get(name)
         if sup is not None:
-            sup.forward_control(file, text)
+            sup.nodes.forward_control(file, text)
 
     def poke(self, name: str) -> None:
         """Wakes a job's supervisor now (a new intent was stored), starting one if needed."""
