@@ -30,6 +30,12 @@ Sections:
   checkpoint    training-blocked time of a save: DeepSpeed's synchronous save_checkpoint vs ds3d's
                 snapshot, against the floor = state bytes / measured pinned D2H bandwidth
   restore       process start -> first step after a restart, split into its parts
+  rollback      an in-process rollback (NaN/spike) to the newest save, read from its host copy
+                (the pinned snapshot arena) 3 steps after the save, against the floor = state
+                bytes / host-to-device GB/s measured in the same section, and against reading
+                the same checkpoint back from the local tier; both loads must give bit-equal
+                weights and optimizer state. Run it alone (`--sections rollback`): it keeps one
+                checkpoint of its own on disk and deletes it at the end
 
 MFU counts (6 N T + 12 L d s T) FLOPs per step (T tokens, s sequence length; attention's
 score and value matmuls, forward and backward) against 989 TFLOP/s (H100/H200 dense bf16
@@ -54,7 +60,7 @@ SECTIONS = ["peak", "minimal", "minimal_compile", "deepspeed", "deepspeed_compil
             "ds3d_compile"]
 OPTIONAL = ["minimal_unfused_adam", "minimal_math_attention", "deepspeed_unfused",
             "deepspeed_stock_bf16", "deepspeed_compile_stock_bf16", "profile",
-            "checkpoint", "restore"]
+            "checkpoint", "restore", "rollback"]
 # (name, --set overrides of the bench job): sizes, micro-batches, checkpointing and ZeRO stages
 MEMORY_CONFIGS = {
     "gpt1b_mb8": ["train.micro_batch_size=8"],
@@ -575,6 +581,141 @@ def sec_restore(args) -> dict:
             "checkpoint_bytes": _dir_bytes(run_dir / "ckpt" / f"global_step{saved[-1]}")}
 
 
+def _h2d_GBps(device) -> float:
+    """Host-to-device GB/s from pinned memory (4 GiB, best of 3)."""
+    import torch
+
+    size = 4 << 30
+    src = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(size, dtype=torch.uint8, device=device)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t0)
+    del src, dst
+    return size / min(ts) / 1e9
+
+
+def _fingerprint(engine) -> list[tuple[float, float]]:
+    """(sum, sum of squares) in float64 of every tensor of the module's and the optimizer's
+    state: equal lists after two loads mean the same weights, fp32 masters and moments."""
+    import torch
+
+    out: list[tuple[float, float]] = []
+
+    def walk(obj) -> None:
+        if isinstance(obj, torch.Tensor):
+            if obj.is_floating_point() and obj.numel():
+                t = obj.detach().double()
+                out.append((float(t.sum()), float((t * t).sum())))
+                del t
+        elif isinstance(obj, dict):
+            for k in sorted(obj, key=str):
+                walk(obj[k])
+        elif isinstance(obj, list | tuple):
+            for v in obj:
+                walk(v)
+
+    walk(engine.module.state_dict())
+    walk(engine.optimizer.state_dict())
+    return out
+
+
+def sec_rollback(args) -> dict:
+    """What `Trainer._recover` does for a NaN 3 steps after a save: plan_memory_rollback, then
+    CheckpointManager.load, timed to the end of the device copies."""
+    import shutil
+
+    from ds3d.checkpoints.engine_io import CheckpointManager, Rank, RestorePlan
+
+    cfg, device, layout, TrainStep = engine_stack(args, ["checkpoint.keep_last=1"])
+    step_fn = TrainStep(cfg, layout, device)
+    engine = step_fn.engine
+    run_dir = Path(args.work) / "rollback-run"
+    ckpt = CheckpointManager(cfg.checkpoint_settings(), run_dir, Rank(0, 1, 0, 1, 1, 1), device,
+                             lambda *a, **k: None)
+    out: dict = {}
+    if device.type == "cuda":
+        out["h2d_pinned_GBps"] = _h2d_GBps(device)
+    progress("built", h2d_GBps=out.get("h2d_pinned_GBps"))
+    step = 0
+    ckpt.prepare(engine)  # as the trainer does after its restore: pin while training
+    while step < 3 or (not ckpt.snapshot.arena_ready() and step < 200):
+        step_fn.run(step)
+        step += 1
+    sync(device)
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        step_fn.run(step)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+        step += 1
+    out["step_s"] = statistics.median(times)
+    saved = step
+    out["blocked_s"] = ckpt.save(engine, saved, {"iteration": saved}, saved, {"step": saved})
+    held = ckpt.snapshot.held()
+    out["arena_pinned"] = ckpt.snapshot._arena is not None
+    out["state_bytes"] = sum(t.numel() * t.element_size() for snap in
+                             (held.files.values() if held else []) for t in _tensors_of(snap))
+    for _ in range(3):  # the NaN comes 3 steps after the save, its files still being written
+        step_fn.run(step)
+        step += 1
+    sync(device)
+    out["write_busy_at_rollback"] = ckpt.snapshot.busy()
+    progress("saved", blocked=out["blocked_s"], bytes=out["state_bytes"],
+             busy=out["write_busy_at_rollback"])
+    t0 = time.perf_counter()
+    plan = ckpt.plan_memory_rollback(newest=step - 1)
+    if plan is None:
+        return {**out, "error": "nothing held in host memory to roll back to"}
+    ckpt.load(engine, plan)
+    sync(device)
+    out["memory_rollback_s"] = time.perf_counter() - t0
+    out["source"] = plan.source
+    progress("memory rollback", seconds=out["memory_rollback_s"])
+    from_memory = _fingerprint(engine)
+    for _ in range(2):  # train on, so the disk load has something to undo
+        step_fn.run(step)
+        step += 1
+    ckpt.snapshot.wait()  # the local copy, complete (the store upload is not needed)
+    t0 = time.perf_counter()
+    ckpt.load(engine, RestorePlan(step=saved, tag=plan.tag, manifest=plan.manifest,
+                                  universal=False, source="local"))
+    sync(device)
+    out["local_rollback_s"] = time.perf_counter() - t0  # read only, without the sha256 pass
+    out["memory_equals_local"] = _fingerprint(engine) == from_memory
+    progress("local rollback", seconds=out["local_rollback_s"],
+             equal=out["memory_equals_local"])
+    ckpt.close()
+    shutil.rmtree(run_dir, ignore_errors=True)
+    out["memory_in_step_times"] = out["memory_rollback_s"] / out["step_s"]
+    out["local_over_memory"] = out["local_rollback_s"] / out["memory_rollback_s"]
+    if out.get("h2d_pinned_GBps"):
+        out["floor_s"] = out["state_bytes"] / (out["h2d_pinned_GBps"] * 1e9)
+        out["memory_over_floor"] = out["memory_rollback_s"] / out["floor_s"]
+    out["note"] = ("floor = host copy's bytes / pinned H2D bandwidth; local_rollback_s reads "
+                   "the files DeepSpeed wrote, after the write finished (no sha256, no wait "
+                   "for the upload: the old rollback had both)")
+    return out
+
+
+def _tensors_of(obj) -> list:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors_of(v)]
+    if isinstance(obj, list | tuple) and not isinstance(obj, torch.Size):
+        return [t for v in obj for t in _tensors_of(v)]
+    return []
+
+
 # -- orchestration ---------------------------------------------------------------------------
 
 
@@ -595,7 +736,8 @@ def run_section(name: str, args) -> dict:
           "deepspeed_compile_stock_bf16": lambda a: sec_deepspeed(a, compile_=True),
           "ds3d": sec_ds3d,
           "ds3d_compile": lambda a: sec_ds3d(a, compile_=True),
-          "profile": sec_profile, "checkpoint": sec_checkpoint, "restore": sec_restore}[name]
+          "profile": sec_profile, "checkpoint": sec_checkpoint, "restore": sec_restore,
+          "rollback": sec_rollback}[name]
     return fn(args)
 
 
@@ -721,6 +863,11 @@ def print_table(report: dict) -> None:
     if "ds3d_blocked_s" in c:
         print(f"checkpoint: sync {c['sync_blocked_s']} s, ds3d blocked {c['ds3d_blocked_s']} s, "
               f"floor {c.get('floor_s')} s, bytes {c.get('state_bytes')}")
+    r = s.get("rollback", {})
+    if "memory_rollback_s" in r:
+        print(f"rollback: from memory {r['memory_rollback_s']:.3f} s "
+              f"({r['memory_in_step_times']:.1f} step-times), floor {r.get('floor_s')} s, "
+              f"local tier {r['local_rollback_s']:.2f} s, equal {r['memory_equals_local']}")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ from .catalog import Catalog, CkptState
 from .disk_space import Shortage
 from .errors import CheckpointError, Ds3dError
 from .identity import claim_prefix, local_job_id
-from .manifest import CheckpointMeta, Layout, Manifest
+from .manifest import CheckpointMeta, Layout, Manifest, manifest_from_entries
 from .reshape import check_reshapable, convert_to_universal, needs_reshape
 from .settings import CheckpointSettings
 from .snapshot import SnapshotCheckpointEngine
@@ -52,6 +52,11 @@ class RestorePlan:
     tag: str  # the DeepSpeed tag to load (`..._universal` after a layout change)
     manifest: Manifest
     universal: bool
+    # where the state is read from: "memory" (the newest save's host copy, an in-process
+    # rollback), "local" (the node-local tier) or "store" (downloaded from the durable tier)
+    source: str = "local"
+    # "memory": the other ranks' files of the tag, as skeletons (SnapshotCheckpointEngine)
+    peers: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,7 @@ class CheckpointManager:
         self.snapshot = SnapshotCheckpointEngine(on_durable=self._on_durable,
                                                  on_failed=self._on_write_failed)
         self._meta: dict[str, tuple[int, CheckpointMeta]] = {}
+        self._newest_save: tuple[int, CheckpointMeta] | None = None  # (step, meta) of it
         # pipeline stage boundaries this run builds; a checkpoint saved with others (its
         # data_position "partition") has per-stage optimizer shards that do not fit: universal
         self.partition: list[int] | None = None
@@ -172,7 +178,36 @@ class CheckpointManager:
             else:
                 tag = manifest.tag + "_universal"
             dist.barrier()
-        return RestorePlan(step=step, tag=tag, manifest=manifest, universal=universal)
+        source = "store" if found is not None and found.source == "downloaded" else "local"
+        return RestorePlan(step=step, tag=tag, manifest=manifest, universal=universal,
+                           source=source)
+
+    def plan_memory_rollback(self, newest: int) -> RestorePlan | None:
+        """Collective: a plan that rolls back to the newest save's host copy (snapshot.py) when
+        that save is the rollback target, i.e. its step is at most `newest`; every rank returns
+        the same. None (roll back from the local tier) when the target is older, or when any
+        rank lacks the copy: no save yet in this process, a later save has begun reusing its
+        buffers, or data-parallel size > 1 (DeepSpeed's data-parallel ranks above 0 read model
+        files that rank 0 wrote, which are not in their memory). Nothing waits for the files or
+        the upload of that save: they go on in the background."""
+        held = self.snapshot.held()
+        saved = self._newest_save
+        mine = saved[0] if (held is not None and saved is not None and self.me.dp == 1
+                            and held.tag == saved[1].tag) else -1
+        agreed = torch.tensor([mine, -mine], dtype=torch.long, device=self.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        step, highest = int(agreed[0]), -int(agreed[1])
+        if step < 0 or step != highest or step > newest:
+            return None
+        assert held is not None and saved is not None
+        skeletons: list[dict[str, Any] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(skeletons, self.snapshot.held_skeleton())
+        own = {os.path.basename(p) for p in held.files}
+        peers = {name: sk for part in skeletons for name, sk in (part or {}).items()
+                 if name not in own}
+        manifest = manifest_from_entries(step, saved[1], [])  # the save's meta, no file list
+        return RestorePlan(step=step, tag=held.tag, manifest=manifest, universal=False,
+                           source="memory", peers=peers)
 
     def drop_newer_than(self, step: int) -> list[int]:
         """After a rollback: checkpoints newer than `step` belong to an abandoned timeline and
@@ -186,11 +221,22 @@ class CheckpointManager:
         return newer
 
     def load(self, engine: Any, plan: RestorePlan) -> None:
+        """DeepSpeed's `load_checkpoint` of `plan.tag`; for a "memory" plan the same call reads
+        each file's state from the host copy (`serving_held`) instead of the disk."""
         engine.checkpoint_engine = self.snapshot
-        path, _ = engine.load_checkpoint(str(self.local_dir), tag=plan.tag,
-                                         load_optimizer_states=True, load_lr_scheduler_states=True)
+        if plan.source == "memory":
+            with self.snapshot.serving_held(plan.peers, self.device) as stand_ins:
+                path, _ = engine.load_checkpoint(stand_ins, tag=plan.tag,
+                                                 load_optimizer_states=True,
+                                                 load_lr_scheduler_states=True)
+        else:
+            path, _ = engine.load_checkpoint(str(self.local_dir), tag=plan.tag,
+                                             load_optimizer_states=True,
+                                             load_lr_scheduler_states=True)
         if path is None:
             raise CheckpointError(f"DeepSpeed could not load {plan.tag} from {self.local_dir}")
+        if self._newest_save is not None and self._newest_save[0] > plan.step:
+            self._newest_save = None  # a save of the abandoned timeline: never a target again
 
     # -- save ---------------------------------------------------------------------------------
 
@@ -220,8 +266,10 @@ class CheckpointManager:
             layout=Layout(tp=me.tp, pp=me.pp, dp=me.dp, world_size=me.world_size),
             model_hash=self.settings.model_hash, data_position=data_position))
         t0 = time.perf_counter()
+        newest, self._newest_save = self._meta[tag], None
         engine.save_checkpoint(str(self.local_dir), tag=tag, client_state=client_state,
                                save_latest=False)
+        self._newest_save = newest  # its host copy may serve a rollback
         return time.perf_counter() - t0
 
     def _on_durable(self, tag: str, paths: list[str]) -> None:

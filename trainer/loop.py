@@ -206,9 +206,10 @@ class Trainer:
         return int(flags[0]), int(flags[1]), bool(flags[2]), bool(flags[3]), bool(flags[4])
 
     def _recover(self, cause: str, r: StepResult) -> str | None:
-        """Policy for a bad step (collective): reload the newest committed checkpoint in this
-        process and skip the data window that ended with the failed batch. Returns a reason to
-        stop (pause) when the policy or the rollback budget says so."""
+        """Policy for a bad step (collective): reload a checkpoint in this process (the newest
+        save from its host copy when no suspect step trained it, else the newest committed one
+        from the local tier) and skip the data window that ended with the failed batch. Returns
+        a reason to stop (pause) when the policy or the rollback budget says so."""
         f, failed = self.cfg.faults, self.step
         policy = f.nan_policy if cause == "nan" else f.spike_policy
         detail = f"loss={r.loss} grad_norm={r.grad_norm} loss_scale={r.loss_scale}"
@@ -238,11 +239,17 @@ class Trainer:
             self.saved_step = self.step  # never checkpoint the bad weights
             return DoneReason.PAUSED
         t0 = time.perf_counter()
-        # the newest checkpoint may still be uploading (a GPU step can be shorter than an
-        # upload): let it commit, so the rollback loses the fewest steps and every rank sees it
-        self.ckpt.wait_uploads(timeout=600.0)
-        dropped = self._drop_suspect_checkpoints(failed - suspect) if suspect > 1 else []
-        plan = self.ckpt.plan_restore()
+        # the newest save, unless a suspect step trained it: read from its host copy, with no
+        # wait for its files or upload (engine_io.plan_memory_rollback)
+        plan = self.ckpt.plan_memory_rollback(newest=failed - suspect)
+        dropped: list[int] = []
+        if plan is None:  # the local tier
+            # the newest checkpoint may still be uploading (a GPU step can be shorter than an
+            # upload): let it commit, so the rollback loses the fewest steps and every rank
+            # sees it
+            self.ckpt.wait_uploads(timeout=600.0)
+            dropped = self._drop_suspect_checkpoints(failed - suspect) if suspect > 1 else []
+            plan = self.ckpt.plan_restore()
         if plan is None:
             self.reporter.emit(RecordKind.FAULT, cause="no_checkpoint", step=failed,
                                detail="no committed checkpoint to roll back to; pausing")
@@ -267,9 +274,9 @@ class Trainer:
         self.reporter.emit(RecordKind.RECOVERY, cause=cause, step=failed, recovered_to=plan.step,
                            steps_lost=failed - plan.step, skipped_batches=list(window),
                            **({"dropped_checkpoints": dropped} if dropped else {}),
-                           seconds=round(time.perf_counter() - t0, 3))
+                           seconds=round(time.perf_counter() - t0, 3), source=plan.source)
         log.warning("rolled back", cause=cause, failed_step=failed, to_step=plan.step,
-                    skipped_batches=window)
+                    skipped_batches=window, source=plan.source)
         return None
 
     def _drop_suspect_checkpoints(self, last_good: int) -> list[int]:

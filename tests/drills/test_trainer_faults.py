@@ -29,11 +29,10 @@ def test_nan_rolls_back_and_equals_a_run_that_skipped_the_window(tmp_path):
     assert [(f["cause"], f["step"]) for f in faults] == [("nan", 5)]
     assert "loss=nan" in faults[0]["detail"]
     rec = records(run, 0, "recovery")
-    # the newest *committed* checkpoint: step 4's, unless its background commit was still
-    # running when step 5 failed (then step 2's); the skipped window is the same either way
-    assert len(rec) == 1 and rec[0]["recovered_to"] in (2, 4)
+    # the newest save, step 4's, read back from its host copy: no wait for its files or upload
+    assert len(rec) == 1 and rec[0]["recovered_to"] == 4 and rec[0]["source"] == "memory", rec
     assert rec[0]["skipped_batches"] == [4, 5]
-    assert rec[0]["steps_lost"] == 5 - rec[0]["recovered_to"]
+    assert rec[0]["steps_lost"] == 1
     want, got = losses(ref), losses(run)
     assert sorted(got) == list(range(1, 9))
     for step in range(1, 9):
@@ -42,6 +41,33 @@ def test_nan_rolls_back_and_equals_a_run_that_skipped_the_window(tmp_path):
     manifest = json.loads((run / "store" / "tiny" / "ckpt" / "step-00000008" / "MANIFEST.json")
                           .read_text())
     assert manifest["data_position"]["skip_batches"] == [[4, 5]]
+
+
+SPIKE_SETS = ["train.steps=12", "train.warmup_steps=2", "parallel.tp=2", "parallel.pp=2",
+              "checkpoint.interval=2", "faults.spike_policy=rollback", "faults.spike_window=5",
+              "faults.spike_mads=20"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_spike_rollback_past_the_newest_save_reads_the_local_tier(tmp_path):
+    """A spike from step 7 on rank 3 (last stage), declared at step 9 (patience 3): step 8's
+    save, the one held in host memory, was trained on a suspect step, so the rollback goes to
+    step 6 from the local tier; losses equal a run that skipped the same window."""
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    _inject(run, kind="spike", rank=3, at_step=7)
+    torchrun(run, 4, sets=SPIKE_SETS)
+    assert [(f["cause"], f["step"]) for f in records(run, 0, "fault")] == [("spike", 9)]
+    rec = records(run, 0, "recovery")
+    assert len(rec) == 1 and rec[0]["source"] == "local", rec
+    assert rec[0]["recovered_to"] == 6 and rec[0]["dropped_checkpoints"] == [8], rec
+    window = rec[0]["skipped_batches"]
+    assert window == [6, 9]  # batches 6..8 fed steps 7..9
+    torchrun(ref, 4, sets=SPIKE_SETS + [f"data.skip_batches=[{window}]"])
+    want, got = losses(ref), losses(run)
+    assert sorted(got) == list(range(1, 13))
+    for step in range(1, 13):
+        assert got[step] == pytest.approx(want[step], rel=1e-6, abs=0), step
 
 
 @pytest.mark.slow
