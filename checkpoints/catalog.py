@@ -242,7 +242,8 @@ class Catalog:
 
     def newest_restorable(self, *, checksums: bool = True, download: bool = True,
                           paths: set[str] | None = None,
-                          only_step: int | None = None) -> Restorable | None:
+                          only_step: int | None = None,
+                          newer_than: int = -1) -> Restorable | None:
         """The newest committed checkpoint whose files verify, made available locally.
 
         A local copy that matches the manifest (sha256 when `checksums`) is used as is;
@@ -250,7 +251,8 @@ class Catalog:
         their sha256, and only then moved into the local tier. `paths` limits the files this
         node needs (its own ranks' shards). Corrupt or partial checkpoints are skipped with a
         logged event. When the store is unreachable, the local copies of committed manifests
-        are used instead. `only_step` restricts the choice to that step (a rollback)."""
+        are used instead. `only_step` restricts the choice to that step (a rollback);
+        `newer_than` to later steps (one already at hand locally: engine_io.plan_restore)."""
         try:
             store = self._store_objects()
             candidates = sorted((s for s, objs in store.items()
@@ -262,6 +264,7 @@ class Catalog:
             store, candidates = {}, self._local_manifest_steps()
         if only_step is not None:
             candidates = [s for s in candidates if s == only_step]
+        candidates = [s for s in candidates if s > newer_than]
         for step in candidates:
             try:
                 manifest = self.load_manifest(step, local_only=step not in store)

@@ -7,9 +7,10 @@ writes this rank's part manifest; rank 0's uploader commits the MANIFEST once al
 the store, then applies retention. The training thread never waits for any of that.
 
 Restore (collective, before the engine is built, because a changed layout needs DeepSpeed's
-`load_universal` switch at initialisation): rank 0 picks the newest committed checkpoint whose
-files verify (local copy first, otherwise downloaded and checked), every node's first rank makes
-the same step available locally, and when the saved (TP, PP, DP) differs from the current one
+`load_universal` switch at initialisation): the ranks agree on the newest step local-complete on
+every rank (local_complete.py); rank 0 looks for a newer committed checkpoint whose files verify
+(local copy first, otherwise downloaded and checked), every node's first rank makes that step
+available locally, and when the saved (TP, PP, DP) differs from the current one
 the checkpoint is converted to DeepSpeed's universal format and loaded from there.
 """
 
@@ -26,10 +27,12 @@ import structlog
 import torch
 import torch.distributed as dist
 
+from . import layout
 from .catalog import Catalog, CkptState
 from .disk_space import Shortage
 from .errors import CheckpointError, Ds3dError
 from .identity import claim_prefix, local_job_id
+from .local_complete import agree_local_step
 from .manifest import CheckpointMeta, Layout, Manifest, manifest_from_entries
 from .reshape import check_reshapable, convert_to_universal, needs_reshape
 from .settings import CheckpointSettings
@@ -133,26 +136,41 @@ class CheckpointManager:
     def plan_restore(self, rollback_to: int | None = None) -> RestorePlan | None:
         """Collective: every rank returns the same plan (or None for a fresh start).
         `rollback_to` asks for that exact step instead of the newest (CheckpointError if it is
-        not restorable)."""
+        not restorable). Otherwise the newest step local-complete on every rank
+        (local_complete.py), unless the store holds a newer durable one; checkpoints of this
+        rank newer than the choice are dropped (a timeline trained again)."""
         found = None
+        local_step, local_manifest = (-1, None) if rollback_to is not None else \
+            agree_local_step(self.local_dir, self.me.rank, self.me.world_size, self.job_id,
+                             self.device)
         if self.me.rank == 0:
             found = self.catalog.newest_restorable(checksums=True, download=True,
-                                                   only_step=rollback_to)
-        step = self._broadcast(found.step if found else -1)
+                                                   only_step=rollback_to, newer_than=local_step)
+        step = self._broadcast(found.step if found else local_step)
+        if step >= 0 or rollback_to is None:
+            self.uploader.drop_newer_than(step)
+        if self.me.rank == 0 and step >= 0:
+            self.emit("checkpoint", step=step, phase="restoring",
+                      durable=step != local_step or layout.local_manifest_path(self.local_dir,
+                                                                         step).exists(),
+                      detail="local-complete on every rank" if step == local_step else
+                      "the newest durable checkpoint")
         if step < 0:
             if rollback_to is not None:
                 raise CheckpointError(f"cannot roll back to step {rollback_to}: no complete, "
                                       "verified checkpoint of that step (see `ds3dctl "
                                       "checkpoints`)")
             return None
-        if self.me.local_rank == 0 and self.me.rank != 0:
+        if step == local_step:
+            pass  # every node holds it whole and verified (agree_local_step)
+        elif self.me.local_rank == 0 and self.me.rank != 0:
             found = self.catalog.newest_restorable(checksums=True, download=True, only_step=step)
             if found is None or found.step != step:
                 raise CheckpointError(f"rank {self.me.rank}'s node cannot get checkpoint step "
                                       f"{step} that rank 0 chose (it found "
                                       f"{found.step if found else 'none'})")
-        manifest = self.catalog.load_manifest(step, local_only=True) if found is None else \
-            found.manifest
+        manifest = local_manifest if step == local_step and local_manifest is not None else \
+            self.catalog.load_manifest(step, local_only=True) if found is None else found.manifest
         if manifest.model_hash and manifest.model_hash != self.settings.model_hash:
             raise CheckpointError(
                 f"checkpoint step {step} was saved by a different model architecture (hash "

@@ -21,6 +21,9 @@ paths as under `files/`) and ds3d's bookkeeping under `L/.ds3d/`:
     L/.ds3d/step-00000100/rank-00003.json          upload state of rank 3's files (pending, failed,
                                                    uploaded, committed) with the last error
     L/.ds3d/step-00000100/MANIFEST.json            copy of the committed manifest, once known
+    L/.ds3d/step-00000100/local-rank-00003.json    rank 3's files verified on this disk (sizes,
+                                                   sha256, the save's metadata): the step is
+                                                   local-complete where every rank's record is
 """
 
 from __future__ import annotations
@@ -100,6 +103,11 @@ def local_state_dir(local_dir: str | Path, step: int) -> Path:
 
 def local_rank_marker(local_dir: str | Path, step: int, rank: int) -> Path:
     return local_state_dir(local_dir, step) / f"rank-{rank:05d}.json"
+
+
+def local_complete_path(local_dir: str | Path, step: int, rank: int) -> Path:
+    """Rank `rank`'s record that its files of `step` are on this disk and verified."""
+    return local_state_dir(local_dir, step) / f"local-rank-{rank:05d}.json"
 
 
 def local_manifest_path(local_dir: str | Path, step: int) -> Path:

@@ -50,9 +50,11 @@ from .deepspeed_latest import refresh_local_latest, write_store_latest
 from .disk_space import is_disk_full
 from .errors import CheckpointError, Ds3dError, NotFoundError
 from .identity import ForeignPrefixError, manifest_is_mine
+from .local_complete import read_record, remove_record, write_record
 from .logs import configure_logging
 from .manifest import (
     CheckpointMeta,
+    FileEntry,
     Layout,
     Manifest,
     PartManifest,
@@ -116,15 +118,18 @@ def _journal(storage: Storage, local_dir: str | Path, step: int,
 
 
 def upload_rank_files(storage: Storage, step: int, rank: int, local_ckpt_dir: str | Path,
-                      files: list[str], job_id: str | None = None) -> PartManifest:
+                      files: list[str], job_id: str | None = None,
+                      entries: list[FileEntry] | None = None) -> PartManifest:
     """Uploads this rank's files (paths relative to `local_ckpt_dir`), then its part manifest
     (naming `job_id`, the uploading job).
 
     Refuses to touch a step whose MANIFEST already exists unless it lists these very files
     (then the upload already happened: idempotent after a crash before the marker was updated)
-    and names this job (a step committed by another job is never overwritten).
+    and names this job (a step committed by another job is never overwritten). `entries`: the
+    files' sizes and sha256 when already computed (at save, local_complete.py).
     """
-    entries = file_entries(local_ckpt_dir, files)
+    if entries is None:
+        entries = file_entries(local_ckpt_dir, files)
     try:
         existing = Manifest.from_json(storage.get_bytes(layout.manifest_key(step)))
     except NotFoundError:
@@ -163,9 +168,11 @@ RESUMED_COMMIT_TIMEOUT_S = 60.0
 
 
 def commit_checkpoint(storage: Storage, step: int, world_size: int, meta: CheckpointMeta,
-                      timeout: float, poll_interval: float = 0.5) -> Manifest:
-    """Waits (up to `timeout` s) for all parts, merges them, writes MANIFEST.json last and
-    verifies what the store holds. Safe to repeat: an identical existing manifest is accepted."""
+                      timeout: float, poll_interval: float = 0.5,
+                      cancelled: Callable[[], bool] | None = None) -> Manifest:
+    """Waits (up to `timeout` s, or until `cancelled()`) for all parts, merges them, writes
+    MANIFEST.json last and verifies what the store holds. Safe to repeat: an identical existing
+    manifest is accepted."""
     deadline = time.monotonic() + timeout
     want = set(range(world_size))
     while True:
@@ -173,6 +180,9 @@ def commit_checkpoint(storage: Storage, step: int, world_size: int, meta: Checkp
                 if (r := layout.rank_of_part_key(o.key)) is not None}
         if want <= have:
             break
+        if cancelled is not None and cancelled():
+            raise PartsMissing(f"step {step}: dropped by a restore to an older step while "
+                               "waiting for the other ranks' parts; never committed")
         if time.monotonic() >= deadline:
             missing = sorted(want - have)
             raise PartsMissing(
@@ -240,8 +250,9 @@ def update_latest(storage: Storage, step: int) -> None:
 @dataclass(frozen=True)
 class UploadEvent:
     # "abandoned": never to be committed (the rank that owed a part is gone, or the local
-    # files are); "failed": an attempt failed and will be retried
-    kind: Literal["uploaded", "committed", "failed", "abandoned"]
+    # files are); "failed": an attempt failed and will be retried; "local_complete": this
+    # rank's files are on local disk and hashed (local_complete.py), before any upload
+    kind: Literal["local_complete", "uploaded", "committed", "failed", "abandoned"]
     step: int
     rank: int
     seconds: float
@@ -257,10 +268,14 @@ class _Job:
     uploaded: bool = False
     retry_at: float = field(default=0.0)
     resumed: bool = False  # found pending by a new process (resume_pending)
+    entries: list[FileEntry] | None = None  # the files' sizes and sha256, once hashed
+    dropped: bool = False  # abandoned by a restore to an older step (drop_newer_than)
 
 
 class Uploader:
-    """One background thread per rank that uploads queued checkpoints in step order."""
+    """One background thread per rank that uploads queued checkpoints in step order, fed by a
+    second one that hashes each saved checkpoint's files as soon as they are written and records
+    them local-complete (local_complete.py): a slow or absent store never delays that record."""
 
     def __init__(self, storage: Storage, local_dir: str | Path, rank: int, world_size: int, *,
                  committer: bool | None = None, commit_timeout: float = 600.0,
@@ -272,6 +287,8 @@ class Uploader:
         self.commit_timeout, self.retry_interval = commit_timeout, retry_interval
         self.on_event = on_event
         self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._verify: queue.Queue[_Job | None] = queue.Queue()
+        self._jobs: dict[int, _Job] = {}  # known steps' jobs, for drop_newer_than
         self._failed: dict[int, _Job] = {}
         self._known: set[int] = set()
         self._lock = threading.Lock()
@@ -280,6 +297,9 @@ class Uploader:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"ds3d-upload-r{rank}", daemon=True)
         self._thread.start()
+        self._verifier = threading.Thread(target=self._verify_loop, name=f"ds3d-verify-r{rank}",
+                                          daemon=True)
+        self._verifier.start()
 
     def submit(self, step: int, files: list[str], meta: CheckpointMeta,
                resumed: bool = False) -> None:
@@ -289,8 +309,76 @@ class Uploader:
                 return
             self._known.add(step)
             self._busy += 1
+            job = self._jobs[step] = _Job(step, list(files), meta, resumed=resumed)
         write_marker(self.local_dir, step, self.rank, "pending", files, meta)
-        self._queue.put(_Job(step, list(files), meta, resumed=resumed))
+        self._verify.put(job)
+
+    def drop_newer_than(self, step: int) -> list[int]:
+        """A restore to `step` abandons this rank's uncommitted checkpoints of later steps (a
+        timeline that is trained again): their uploads stop, and their local files, marker and
+        local-complete record are deleted, so no restart restores or uploads them and a new save
+        of the same step starts clean. An upload already in flight finishes; its part is never
+        committed, and retention's sweep removes it. Returns the steps dropped."""
+        with self._lock:
+            jobs = [j for s, j in self._jobs.items() if s > step]
+            for job in jobs:
+                job.dropped = True
+                self._known.discard(job.step)
+                self._jobs.pop(job.step, None)
+                self._failed.pop(job.step, None)  # a failed job holds no busy count
+        steps = sorted({j.step for j in jobs} | self._stale_local_steps(step))
+        for s in steps:
+            self._delete_local(s)
+        if steps:
+            log.info("checkpoint_local_dropped", rank=self.rank, restored=step, steps=steps)
+        return steps
+
+    def _stale_local_steps(self, step: int) -> set[int]:
+        """Steps after `step` that this rank holds locally, uncommitted, with no job here."""
+        out = set()
+        for marker in self.local_dir.glob(
+                f"{layout.LOCAL_STATE_DIR}/step-*/rank-{self.rank:05d}.json"):
+            rec = read_marker(marker)
+            if rec and int(rec.get("step", -1)) > step and rec.get("state") != "committed":
+                out.add(int(rec["step"]))
+        return out
+
+    def _delete_local(self, step: int) -> None:
+        rec = read_marker(layout.local_rank_marker(self.local_dir, step, self.rank))
+        for rel in (rec or {}).get("files", []):
+            try:
+                (self.local_dir / layout.check_rel_path(rel)).unlink(missing_ok=True)
+            except (OSError, ValueError) as e:
+                log.warning("checkpoint_local_delete_failed", step=step, path=rel, detail=str(e))
+        remove_record(self.local_dir, step, self.rank)
+        layout.local_rank_marker(self.local_dir, step, self.rank).unlink(missing_ok=True)
+
+    def _verify_loop(self) -> None:
+        """Hashes each submitted checkpoint's files once, records it local-complete, then
+        hands it to the upload thread. A resumed one whose record lists the same files keeps
+        the record's hashes (the restore that may use it checks them again)."""
+        while not self._stop.is_set():
+            job = self._verify.get()
+            if job is None or self._stop.is_set():
+                return
+            if not job.dropped:
+                self._record_local(job)
+            self._queue.put(job)
+
+    def _record_local(self, job: _Job) -> None:
+        t0 = time.monotonic()
+        old = read_record(self.local_dir, job.step, self.rank) if job.resumed else None
+        if old is not None and sorted(e.path for e in old.part.files) == sorted(set(job.files)):
+            job.entries = old.part.files
+            return
+        try:
+            job.entries = file_entries(self.local_dir, job.files)
+            write_record(self.local_dir, job.step, self.rank, job.entries, job.meta)
+        except (OSError, ValueError) as e:  # files gone: the upload thread abandons it
+            log.warning("checkpoint_local_unverified", step=job.step, rank=self.rank,
+                        detail=str(e))
+            return
+        self._emit("local_complete", job, t0)
 
     def resume_pending(self) -> list[int]:
         """Re-queues this rank's unfinished uploads found in the local markers (after a restart)."""
@@ -339,6 +427,7 @@ class Uploader:
         """Stops after the upload in flight; what is still queued stays `pending` locally and is
         picked up by `resume_pending` in the next process."""
         self._stop.set()
+        self._verify.put(None)
         self._queue.put(None)
         self._thread.join(timeout)
 
@@ -367,6 +456,12 @@ class Uploader:
                 with self._lock:
                     self._failed[job.step] = job
 
+    def _forget(self, job: _Job) -> None:
+        """Done with (committed or abandoned); called with the lock held."""
+        if self._jobs.get(job.step) is job:
+            del self._jobs[job.step]
+            self._known.discard(job.step)
+
     def _due_retry(self) -> _Job | None:
         now = time.monotonic()
         with self._lock:
@@ -379,46 +474,50 @@ class Uploader:
             return job
 
     def _process(self, job: _Job) -> None:
+        if job.dropped:  # a restore to an older step abandoned it while it was queued
+            with self._idle:
+                self._busy -= 1
+                self._idle.notify_all()
+            return
         t0 = time.monotonic()
         committed = False
         job.attempts += 1
         try:
             if not job.uploaded:
                 upload_rank_files(self.storage, job.step, self.rank, self.local_dir, job.files,
-                                  job_id=job.meta.job_id)
+                                  job_id=job.meta.job_id, entries=job.entries)
                 job.uploaded = True
-                write_marker(self.local_dir, job.step, self.rank, "uploaded", job.files, job.meta)
+                self._mark(job, "uploaded")
                 self._emit("uploaded", job, t0)
             if self.committer:
                 # the world that saved it: after a node was lost, this process's world is smaller
                 manifest = commit_checkpoint(
                     self.storage, job.step, job.meta.layout.world_size, job.meta,
                     timeout=min(self.commit_timeout, RESUMED_COMMIT_TIMEOUT_S) if job.resumed
-                    else self.commit_timeout)
+                    else self.commit_timeout, cancelled=lambda: job.dropped)
                 save_local_manifest(self.local_dir, manifest)
                 refresh_local_latest(self.local_dir)
-                write_marker(self.local_dir, job.step, self.rank, "committed", job.files, job.meta)
+                self._mark(job, "committed")
                 committed = True
             with self._lock:
-                self._known.discard(job.step)
+                self._forget(job)
         except PartsMissing as e:
-            if not job.resumed:
+            if not (job.resumed or job.dropped):
                 self._retry_later(job, t0, e)
-            else:  # the rank that owed a part died with its process: superseded by newer ones
-                write_marker(self.local_dir, job.step, self.rank, "failed", job.files, job.meta,
-                             error=f"abandoned: {e}")
+            else:  # the rank that owed a part died with its process (or a restore to an older
+                # step dropped it): superseded by newer ones
+                self._mark(job, "failed", error=f"abandoned: {e}")
                 with self._lock:
-                    self._known.discard(job.step)
+                    self._forget(job)
                 log.warning("checkpoint_commit_abandoned", step=job.step, detail=str(e))
                 self._emit("abandoned", job, t0, f"abandoned: {e}")
         except Ds3dError as e:
             self._retry_later(job, t0, e)
         except OSError as e:
             # The local files are gone or unreadable: nothing left to upload from.
-            write_marker(self.local_dir, job.step, self.rank, "failed", job.files, job.meta,
-                         error=f"local files unreadable: {e}")
+            self._mark(job, "failed", error=f"local files unreadable: {e}")
             with self._lock:
-                self._known.discard(job.step)
+                self._forget(job)
             log.error("checkpoint_upload_abandoned", step=job.step, rank=self.rank, detail=str(e))
             self._abort_journaled(job.step)
             self._emit("abandoned", job, t0, f"local files unreadable: {e}")
@@ -426,8 +525,7 @@ class Uploader:
             # A bug, not a storage problem: logged with its traceback, retried like a failure so
             # the thread (and every later checkpoint) survives it.
             log.exception("checkpoint_upload_bug", step=job.step, rank=self.rank)
-            write_marker(self.local_dir, job.step, self.rank, "failed", job.files, job.meta,
-                         error=f"internal error: {e!r}")
+            self._mark(job, "failed", error=f"internal error: {e!r}")
             job.retry_at = time.monotonic() + self.retry_interval
             with self._lock:
                 self._failed[job.step] = job
@@ -441,11 +539,17 @@ class Uploader:
             # committed checkpoint into a failed one
             self._emit("committed", job, t0)
 
+    def _mark(self, job: _Job, state: MarkerState, error: str | None = None) -> None:
+        """The job's local marker, unless a restore dropped it (its marker is gone for good)."""
+        if not job.dropped:
+            write_marker(self.local_dir, job.step, self.rank, state, job.files, job.meta, error)
+
     def _retry_later(self, job: _Job, t0: float, e: Ds3dError) -> None:
         """Terminal and retryable errors alike: the local copy is kept, and a later attempt
         may succeed once the store or the other ranks are back."""
-        write_marker(self.local_dir, job.step, self.rank, "failed", job.files, job.meta,
-                     error=str(e))
+        if job.dropped:
+            return
+        self._mark(job, "failed", error=str(e))
         job.retry_at = time.monotonic() + self.retry_interval
         with self._lock:
             self._failed[job.step] = job
@@ -464,7 +568,8 @@ class Uploader:
         except Ds3dError as e:
             log.warning("multipart_abort_failed", step=step, rank=self.rank, detail=str(e))
 
-    def _emit(self, kind: Literal["uploaded", "committed", "failed", "abandoned"], job: _Job,
+    def _emit(self, kind: Literal["local_complete", "uploaded", "committed", "failed",
+                                  "abandoned"], job: _Job,
               t0: float, detail: str = "") -> None:
         """Tells the listener; its own failure is logged and changes no checkpoint's state."""
         if self.on_event is None:

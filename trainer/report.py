@@ -18,9 +18,11 @@ and their extra fields:
                 only writes `step` records; every rank writes `heartbeat`)
     heartbeat   step (the last completed step), phase ("init", "build", "load", "train", "save",
                 "store_wait")
-    checkpoint  step, phase ("saved", "committed", "failed", "uploaded", "abandoned", "skipped",
-                "loaded", "rolled_back", "reshaped", "retention", "swept", "cleanup_failed"),
-                path, blocked_s, cause, detail (the phases' meaning: daemon/reports.py)
+    checkpoint  step, phase ("saved", "local_complete", "committed", "failed", "uploaded",
+                "abandoned", "skipped", "restoring", "loaded", "rolled_back", "reshaped",
+                "retention", "swept", "cleanup_failed"), path, blocked_s, cause, detail,
+                durable ("restoring": false when restored from the local-complete copy) (the
+                phases' meaning: daemon/reports.py; the two commits: checkpoints/local_complete.py)
     fault       cause ("nan", "spike", "oom", "injected_<FaultKind>", ...), step, detail
     recovery    cause, step (the failed one), recovered_to, steps_lost, skipped_batches, seconds
                 (an in-process rollback)

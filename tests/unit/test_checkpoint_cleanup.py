@@ -115,6 +115,6 @@ def test_a_listener_error_after_a_commit_does_not_fail_the_checkpoint(tmp_path: 
         time.sleep(0.5)  # a retry would come after 0.1 s
     finally:
         up.close(10)
-    assert [e.kind for e in events] == ["uploaded", "committed"]
+    assert [e.kind for e in events] == ["local_complete", "uploaded", "committed"]
     assert read_marker(layout.local_rank_marker(local, 5, 0))["state"] == "committed"  # type: ignore[index]
     assert up.failed() == [] and up.pending() == []
