@@ -260,7 +260,10 @@ def test_nan_rolls_back_through_the_daemon(daemon, reference):
     assert len(rec) == 1 and rec[0]["cause"] == "nan" and rec[0]["recovered_to"] < at
     back = rec[0]["recovered_to"]
     assert rec[0]["skipped_batches"] == [at - 1, at]  # batch at-1 fed step at
+    assert rec[0]["source"] == "memory"  # the newest save, from its host copy: no wait
     assert_recovered(evs, run_dir, "nan", "workers", back, last_step=at)
+    recovered = [e for e in evs if e["kind"] == "recovered"]
+    assert f"from step {back} (read from memory)" in recovered[0]["message"], recovered
     got = losses(run_dir)
     assert sorted(got) == list(range(1, STEPS + 1))
     assert all(v == v for v in got.values())
@@ -301,6 +304,7 @@ def test_loss_spike_rolls_back_past_it_and_skips_its_window(daemon):
     rec = records(run_dir, 0, "recovery")
     assert len(rec) == 1 and rec[0]["cause"] == "spike", rec
     assert rec[0]["recovered_to"] < at  # before the spike, not the checkpoint inside it
+    assert rec[0]["source"] == "local"  # the newest save, in memory, was trained on the spike
     assert rec[0]["dropped_checkpoints"] == [s for s in range(at, last) if s % 2 == 0]
     window = rec[0]["skipped_batches"]
     assert window == [at - 1, last]  # batches at-1 .. last-1 fed steps at..last
