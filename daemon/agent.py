@@ -2,7 +2,8 @@
 
 Started by launcher.py as `python -m ds3d.daemon.agent --spec SPEC.json` in a session of its own,
 so that SIGKILL of ds3dd does not take the training with it. It runs `elastic_launch` with a c10d
-rendezvous on the job's store process (rendezvous.py) and the worker entry
+rendezvous on the job's store process (rendezvous.py), or torch elastic's etcd rendezvous
+("etcd-v2") when the job sets `launch.rendezvous`, and the worker entry
 `python -m ds3d.trainer.worker --run-dir RUN_DIR`; the agent restarts a failed worker group up
 to `max_restarts` times by itself.
 
@@ -103,7 +104,7 @@ def run(spec: dict[str, Any]) -> tuple[int, str]:
         nproc_per_node=spec["nproc_per_node"],
         run_id=spec["run_id"],
         role="ds3d",
-        rdzv_backend="c10d",
+        rdzv_backend=spec.get("rdzv_backend", "c10d"),
         rdzv_endpoint=spec["rdzv_endpoint"],
         rdzv_configs=spec["rdzv_configs"],
         max_restarts=spec["max_restarts"],

@@ -32,6 +32,7 @@ from ds3d.trainer.config import JobConfig
 
 from .extension_cache import job_extensions_dir
 from .procs import ProcessRef, spawn_detached
+from .rendezvous import ETCD_BACKEND
 
 WORKER_MODULE = "ds3d.trainer.worker"
 
@@ -45,6 +46,13 @@ RDZV_CONFIGS: dict[str, object] = {
     "join_timeout": 600,
     "read_timeout": 60,
 }
+# the same dynamic rendezvous on etcd (launch.rendezvous): `is_host` is c10d's alone, and
+# `read_timeout` becomes python-etcd's per-request timeout. A node whose heartbeat is older than
+# interval x attempts is dropped from the rendezvous for good (its keep-alive then stops): each
+# heartbeat is an HTTP read and compare-and-swap on one key all nodes write, so etcd gets more
+# slack than the in-memory store before a slow node is taken for a dead one.
+ETCD_RDZV_CONFIGS: dict[str, object] = {
+    **{k: v for k, v in RDZV_CONFIGS.items() if k != "is_host"}, "keep_alive_max_attempt": 5}
 
 
 @dataclass
@@ -97,8 +105,9 @@ class Launcher:
             "min_nodes": cfg.launch.min_nodes or nnodes,
             "max_nodes": nnodes,
             "nproc_per_node": nproc,
+            "rdzv_backend": ETCD_BACKEND if cfg.launch.rendezvous else "c10d",
             "rdzv_endpoint": rdzv_endpoint,
-            "rdzv_configs": RDZV_CONFIGS,
+            "rdzv_configs": ETCD_RDZV_CONFIGS if cfg.launch.rendezvous else RDZV_CONFIGS,
             "max_restarts": cfg.launch.max_restarts,
             "worker_module": self.worker_module,
             "log_dir": str(run_dir / "logs" / f"attempt-{attempt}"),

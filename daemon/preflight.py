@@ -1,8 +1,8 @@
 """Checks made at `ds3dctl start`, before anything is launched, of what would otherwise only fail
 once the workers run (and then in a crash loop): the checkpoint store's credentials, bucket and
-permissions, and the data file. Each failure keeps its own error type, so the client gets the
-right status code (PERMISSION_DENIED for wrong keys, NOT_FOUND for a missing bucket,
-UNAVAILABLE for an unreachable endpoint) with what to fix."""
+permissions, the data file, and the etcd members of `launch.rendezvous`. Each failure keeps its
+own error type, so the client gets the right status code (PERMISSION_DENIED for wrong keys,
+NOT_FOUND for a missing bucket, UNAVAILABLE for an unreachable endpoint) with what to fix."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from ds3d.checkpoints.layout import JOB_ID_KEY
 from ds3d.checkpoints.storage import job_store_url, join_url, open_storage
 from ds3d.trainer.config import JobConfig, is_readable_file
 from ds3d.trainer.errors import ConfigError, Ds3dError
+
+from .rendezvous import RendezvousError, etcd_problem
 
 # Fail fast at submission: an outage is reported, not waited out (the job can be started again).
 _PREFLIGHT_S3 = {"max_attempts": 2, "outage_retries": 0, "connect_timeout": 3.0,
@@ -31,6 +33,11 @@ def preflight(cfg: JobConfig, job_id: str = "", run_dir: Path | None = None) -> 
         raise ConfigError(f"data.source={source!r} does not exist on this node; give the path of "
                           "a token file every node can read (see `python -m ds3d.trainer.data "
                           "encode`)")
+    down = [p for p in (etcd_problem(h, port) for h, port in cfg.launch.etcd_endpoints) if p]
+    if down:  # every listed member: the agents fail over among them
+        raise RendezvousError(f"launch.rendezvous {cfg.launch.rendezvous!r} is not usable, so the "
+                              f"job was not started: {'; '.join(down)}. Start etcd there (see "
+                              "docs/runbook.md, \"etcd rendezvous\") or fix launch.rendezvous")
     # last: the store check creates the job's prefix (and a probe object it deletes)
     store = cfg.checkpoint.store
     if store:

@@ -1,4 +1,6 @@
-"""The c10d rendezvous store of a job, hosted in a process of its own on the head node.
+"""The rendezvous of a job: by default a c10d store hosted in a process of its own on the head
+node; with `launch.rendezvous = "etcd://..."` torch elastic's own etcd rendezvous (no process
+here: `etcd_endpoint` picks the member the agents connect to, `etcd_problem` is the preflight).
 
 Why not inside an elastic agent (torchrun's default): killing the agent that hosts the c10d
 store ends the job for every node (FIELD-NOTES, "Node loss with c10d rendezvous"). This process
@@ -28,6 +30,55 @@ from .procs import ProcessRef, spawn_detached
 class RendezvousError(Ds3dError):
     grpc_code = "UNAVAILABLE"
     retryable = True
+
+
+# torch elastic's dynamic rendezvous on etcd's v2 API (etcd_rendezvous_backend.py, python-etcd);
+# "etcd" would be the legacy rendezvous, which has no keep-alive and so no fast node-loss shrink
+ETCD_BACKEND = "etcd-v2"
+ETCD_PROBE_S = 3.0
+
+
+def etcd_problem(host: str, port: int, timeout_s: float = ETCD_PROBE_S) -> str | None:
+    """Why the etcd member at host:port cannot hold a rendezvous (None: it can). It must answer
+    over HTTP and serve the v2 keys API, which etcd 3.4 serves only when started with
+    `--enable-v2`."""
+    import urllib.error
+    import urllib.request
+
+    url = f"http://{host}:{port}/v2/keys/"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            resp.read(4096)
+        return None
+    except urllib.error.HTTPError as e:
+        if e.code == 404:
+            return (f"etcd at {host}:{port} answers but does not serve the v2 API that torch "
+                    "elastic's etcd rendezvous uses; start it with --enable-v2")
+        return f"etcd at {host}:{port} answered {url} with HTTP {e.code}"
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        return f"etcd at {host}:{port} does not answer ({reason})"
+
+
+def etcd_endpoint(endpoints: list[tuple[str, int]]) -> str:
+    """The first member of `launch.rendezvous` that answers, as torch elastic's `rdzv_endpoint`
+    (it takes one; python-etcd, with `allow_reconnect`, then learns the cluster's other members
+    and fails over to them). Raises RendezvousError listing every member's problem."""
+    problems = []
+    for host, port in endpoints:
+        problem = etcd_problem(host, port)
+        if problem is None:
+            return f"{host}:{port}"
+        problems.append(problem)
+    raise RendezvousError("no member of launch.rendezvous can hold the rendezvous: " +
+                          "; ".join(problems))
+
+
+def rendezvous_run_id(job: str, attempt: int, job_id: str, etcd: bool) -> str:
+    """torch elastic's run id of one attempt. On etcd it also carries the job's unique id: the
+    etcd cluster outlives jobs (a rendezvous key lives 2 h), and a job started again under the
+    same name must not find the closed rendezvous of its predecessor's attempt."""
+    return f"{job}-{job_id[:12]}-a{attempt}" if etcd and job_id else f"{job}-a{attempt}"
 
 
 def start_store(run_dir: Path, host: str, timeout_s: float = 120.0) -> tuple[ProcessRef, int]:

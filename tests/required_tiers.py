@@ -4,6 +4,7 @@ The RGW tests skip where Ceph's packages are missing and the promtool tests wher
 which is right on a developer's machine but would let CI stay green after a failed install.
 The disk-full tests (`tmpfs`) skip where a tmpfs cannot be mounted (not root, no
 CAP_SYS_ADMIN): CI runs as root, so there a skip means a broken runner, not a choice.
+The etcd tests skip where Debian's etcd-server is missing; tests using its fixtures get `etcd`.
 Tests of a required tier carry its marker (`rgw`, `promtool`, `tmpfs`); tests that use the Ceph RGW
 fixture get `rgw` whether or not they were marked. Under CI, such a test's skip is reported as
 a failure that quotes the skip's reason (what to install).
@@ -15,8 +16,9 @@ import os
 
 import pytest
 
-REQUIRED_TIERS = ("rgw", "promtool", "tmpfs")  # tmpfs: the disk-full tests (fixtures/tmpfs.py)
+REQUIRED_TIERS = ("rgw", "promtool", "tmpfs", "etcd")  # tmpfs: disk-full (fixtures/tmpfs.py)
 RGW_FIXTURE = "rgw_cluster"  # every RGW fixture depends on it (tests/fixtures/rgw.py)
+ETCD_FIXTURES = ("etcd_server", "etcd_cluster")  # tests/fixtures/etcd.py
 
 
 def under_ci() -> bool:
@@ -32,6 +34,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if RGW_FIXTURE in getattr(item, "fixturenames", ()) and \
                 item.get_closest_marker("rgw") is None:
             item.add_marker(pytest.mark.rgw)
+        if any(f in ETCD_FIXTURES for f in getattr(item, "fixturenames", ())) and \
+                item.get_closest_marker("etcd") is None:
+            item.add_marker(pytest.mark.etcd)
 
 
 @pytest.hookimpl(hookwrapper=True)

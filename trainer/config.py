@@ -327,6 +327,35 @@ class FaultsConfig(_Section):
                                 description="... for this many steps in a row")
 
 
+ETCD_SCHEME = "etcd://"
+MAX_ETCD_ENDPOINTS = 16
+_ETCD_HOST_RE = re.compile(
+    r"\A(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?)\Z")
+ETCD_FORM = "etcd://HOST:PORT[,HOST:PORT...] (e.g. etcd://10.0.0.5:2379,10.0.0.6:2379)"
+
+
+def etcd_endpoints(value: str) -> list[tuple[str, int]]:
+    """(host, port) of each member in `launch.rendezvous`; raises ValueError saying what to write.
+    Hosts are names, IPv4 or bracketed IPv6 addresses; every member is listed with its port."""
+    if not value.startswith(ETCD_SCHEME):
+        raise ValueError(f"{value!r} is not an etcd URL; write {ETCD_FORM}, or leave "
+                         "launch.rendezvous out to use the head daemon's own store")
+    items = value[len(ETCD_SCHEME):].split(",")
+    if len(items) > MAX_ETCD_ENDPOINTS:
+        raise ValueError(f"lists {len(items)} etcd members; at most {MAX_ETCD_ENDPOINTS}")
+    out: list[tuple[str, int]] = []
+    for item in items:
+        host, sep, port = item.rpartition(":")
+        if not sep or not _ETCD_HOST_RE.match(host) or not port.isdigit() or len(port) > 5:
+            raise ValueError(f"member {item!r} is not HOST:PORT; write {ETCD_FORM}")
+        if not 1 <= int(port) <= 65535:
+            raise ValueError(f"member {item!r}: port {int(port)} is outside 1-65535")
+        if (host, int(port)) in out:
+            raise ValueError(f"member {item!r} is listed more than once")
+        out.append((host, int(port)))
+    return out
+
+
 class LaunchConfig(_Section):
     nnodes: int = Field(default=1, ge=1, le=4096, description="nodes the job starts on")
     min_nodes: int | None = Field(default=None, ge=1, le=4096,
@@ -336,6 +365,21 @@ class LaunchConfig(_Section):
     max_restarts: int = Field(default=3, ge=0, le=1000)
     hosts: list[str] = Field(default_factory=list, max_length=4096,
                              description="daemon addresses, one per node, each once")
+    rendezvous: str | None = Field(
+        default=None, description="etcd://HOST:PORT[,HOST:PORT...]: torch elastic's etcd "
+        "rendezvous instead of the head daemon's c10d store")
+
+    @field_validator("rendezvous")
+    @classmethod
+    def _rendezvous_is_etcd(cls, v: str | None) -> str | None:
+        if v is not None:
+            etcd_endpoints(v)
+        return v
+
+    @property
+    def etcd_endpoints(self) -> list[tuple[str, int]]:
+        """The etcd members of `rendezvous` (empty: the head daemon's c10d store)."""
+        return etcd_endpoints(self.rendezvous) if self.rendezvous else []
 
     @field_validator("hosts")
     @classmethod
