@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ds3d.trainer.config import JobConfig
+
 
 @dataclass(frozen=True)
 class Decision:
@@ -32,3 +34,8 @@ class RestartPolicy:
         delay = min(self.max_delay_s, self.base_delay_s * 2 ** restarts_so_far)
         return Decision(True, delay, f"{cause}: restart {restarts_so_far + 1} of "
                         f"{self.max_restarts} in {delay:.0f} s")
+
+
+def restart_policy_for(cfg: JobConfig) -> RestartPolicy:
+    """ds3dd's policy for a job: its `launch.max_restarts`, delays 1, 2, 4 ... 60 s."""
+    return RestartPolicy(max_restarts=cfg.launch.max_restarts)

@@ -29,10 +29,12 @@ from .api import ControlServicer
 from .auth import AuthInterceptor, PeerAuth, TlsFiles, check_listen_policy
 from .errors import ErrorInterceptor
 from .fit_check import node_resources
+from .job_detectors import standard_detectors
 from .launcher import WORKER_MODULE, Launcher
 from .logging import get_logger
 from .metrics import Metrics
 from .peers import PeerClient, Shares
+from .policies import restart_policy_for
 from .procs import ProcessRef
 from .reflection_v1 import enable_reflection_v1
 from .service import JobService, stored_config_problem
@@ -120,7 +122,8 @@ class Daemon:
         self.supervisors = Supervisors(SupervisorContext(
             store=self.store, launcher=launcher, metrics=self.metrics, jobs_root=jobs_root,
             node=opts.node, rdzv_host=opts.rdzv_host, peers=peers,
-            hang_min_timeout_s=opts.hang_timeout_s, start_timeout_s=opts.start_timeout_s))
+            detectors=standard_detectors(opts.hang_timeout_s, opts.start_timeout_s),
+            restart_policy=restart_policy_for))
         self.shares = Shares(opts.state_dir / "shares", launcher,
                              enable_fault_injection=opts.enable_fault_injection)
         self.peers = peers

@@ -23,11 +23,10 @@ policy are objects passed in, so a new fault needs a new detector, not a change 
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,27 +34,25 @@ from ds3d.checkpoints.disk_space import is_disk_full
 from ds3d.trainer.config import JobConfig
 from ds3d.trainer.errors import Ds3dError
 from ds3d.trainer.kinds import DoneReason, EventKind, RecordKind
-from ds3d.trainer.oom import CgroupMemory
 
 from .ckpt_index import IndexReconciler
 from .commands import Action, Command
 from .decisions import END_STATES, Handler, done_reason, handler_for
-from .detectors import AgentExitDetector, Detector, Fault, HangDetector, StartupDetector
+from .detectors import Detector, Fault
 from .disk import DiskWatch
-from .extension_cache import cache_roots, job_extensions_dir
 from .failure_history import FailureHistory
 from .incidents import Incident, IncidentClock
+from .job_detectors import DetectorFactory
 from .job_metrics import JobMetrics
 from .jobdir import JobDir
 from .launcher import AgentHandle, Launcher, kill_strays
 from .logging import get_logger
 from .metrics import Metrics
 from .multinode import JobNodes
-from .oom import OomDetector
 from .peers import PeerClient, PeerError
-from .policies import RestartPolicy
+from .policies import RestartPolicy, restart_policy_for
 from .procs import ProcessRef
-from .rendezvous import etcd_endpoint, rendezvous_run_id, start_store
+from .rendezvous import start_store
 from .reports import Observation, ReportTail
 from .stacks import StackDump, dump_stacks, suspects
 from .states import TERMINAL, JobState
@@ -65,21 +62,21 @@ from .store import Job, Store
 
 @dataclass
 class SupervisorContext:
-    """What all supervisors of one daemon share."""
+    """What all supervisors of one daemon share; the detectors (built per job) and the
+    restart policy are passed in by server.py."""
 
     store: Store
     launcher: Launcher
     metrics: Metrics
     jobs_root: Path
     node: str
+    detectors: DetectorFactory  # daemon/job_detectors.py standard_detectors(...)
+    restart_policy: Callable[[JobConfig], RestartPolicy] = restart_policy_for
     rdzv_host: str = "127.0.0.1"
     peers: PeerClient | None = None
     interval_s: float = 0.5
     stop_now_grace_s: float = 5.0
-    hang_min_timeout_s: float = 120.0
-    start_timeout_s: float = 600.0  # launch -> the group's `start` record (ds3dd --start-timeout)
     peer_finish_timeout_s: float = 120.0
-    detectors: list[Detector] | None = field(default=None)
 
 
 @dataclass(frozen=True)
@@ -105,14 +102,7 @@ class JobSupervisor:
         local = self._config(self.store.get_job(name)).checkpoint.local_dir
         self.tail = ReportTail(ctx.store, self.jobdir, Path(local) if local else None)
         self.analysis = StepAnalysis()
-        # OOM before agent exit: a worker that ran out of memory also ends its agent, and the
-        # diagnosis (with its own restart policy) must win over the generic "agent exited"
-        self.detectors: list[Detector] = ctx.detectors or [
-            HangDetector(min_timeout_s=ctx.hang_min_timeout_s, startup_s=ctx.start_timeout_s),
-            StartupDetector(ctx.start_timeout_s, lambda job: [
-                job_extensions_dir(Path(job.run_dir)),
-                *cache_roots(os.environ.get("TORCH_EXTENSIONS_DIR"))]),
-            self._oom_detector(name), AgentExitDetector(), self.analysis]
+        self.detectors: list[Detector] = ctx.detectors(name, ctx.store, self.analysis)
         self.log = get_logger("ds3d.supervisor", job=name)
         # full disks (state dir, job dir, local tier) diagnosed before anything writes
         self.disk = DiskWatch(ctx.store, name, ctx.jobs_root.parent, self._config)
@@ -137,13 +127,6 @@ class JobSupervisor:
             self.agent = Launcher.attach(self.jobdir.path, job.attempt, job.agent_pid,
                                          job.agent_started)
             self.log.info("reattached", pid=job.agent_pid, alive=self.agent.poll() is None)
-
-    def _oom_detector(self, name: str) -> OomDetector:
-        """Remembers the steps that ran out of memory before (a daemon restart keeps the
-        once-then-fail policy) and watches this daemon's memory cgroup for OOM kills."""
-        before = [e.detail.get("step", e.step)
-                  for e in self.store.events(job=name, kinds=[EventKind.OOM])]
-        return OomDetector(before, CgroupMemory.of_self())
 
     # ---- loop --------------------------------------------------------------------------------
 
@@ -350,7 +333,7 @@ class JobSupervisor:
                      fatal=fault.fatal, detected_at=fault.detected_at)
 
     def _restart_or_fail(self, job: Job, fault: Fault) -> None:
-        policy = RestartPolicy(max_restarts=self._config(job).launch.max_restarts)
+        policy = self.ctx.restart_policy(self._config(job))
         decision = policy.decide(job.restarts, fault.cause)
         self._kill_agent(now=True)
         if decision.restart:  # timed from the detector's decision, not the end of the kill
@@ -396,7 +379,7 @@ class JobSupervisor:
             self.jobdir.command_file.unlink(missing_ok=True)
             self.store.update(self.name, attempt=attempt, command_acked=job.command_id)
             endpoint = self._ensure_rdzv(job)
-            run_id = rendezvous_run_id(self.name, attempt, job.job_id, bool(cfg.launch.rendezvous))
+            run_id = f"{self.name}-a{attempt}"
             self.agent = self.ctx.launcher.start(self.jobdir.path, cfg, attempt, endpoint,
                                                  run_id)
         assert self.agent is not None
@@ -415,9 +398,6 @@ class JobSupervisor:
                 self._restart_or_fail(self.store.get_job(self.name), fault)
 
     def _ensure_rdzv(self, job: Job) -> str:
-        endpoints = self._config(job).launch.etcd_endpoints
-        if endpoints:  # torch elastic's etcd rendezvous: the head hosts no store of its own
-            return etcd_endpoint(endpoints)
         ref = ProcessRef(job.rdzv_pid, job.rdzv_started)
         if not ref.alive():
             ref, port = start_store(self.jobdir.path, self.ctx.rdzv_host)
