@@ -10,12 +10,16 @@ rank's files hashed on local disk) but not yet in the store. Rank 0 is then kill
    and committed afterwards.
 2. A rank's local copy gone (a replaced node): the group falls back to the newest durable
    checkpoint (its missing files downloaded from the store), and the newer local-only steps
-   are dropped, never committed."""
+   are dropped, never committed.
+3. Node-local disks of two nodes (two agents on loopback): a node that lacks files another
+   node's rank wrote makes the group restore the newest durable step."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -24,10 +28,12 @@ from typing import Any
 import pytest
 
 from ds3d.checkpoints import layout
+from ds3d.checkpoints.identity import new_job_id, write_local_job_id
 from ds3d.checkpoints.local_complete import complete_here
 from ds3d.checkpoints.upload import read_marker
 
-from support import records, torchrun
+from fixtures.s3 import free_port
+from support import records, torchrun, worker_env
 
 pytest_plugins = ["fixtures.s3"]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
@@ -147,3 +153,69 @@ def test_a_lost_local_copy_falls_back_to_the_newest_durable(
     assert STEPS in committed_in_store(client, s3_bucket)
     steps = [r["step"] for r in records(run, 0, "step")]
     assert steps.count(durable + 1) == 2  # once before the crash, once after the fallback
+
+
+def test_node_local_disks_restore_only_what_every_node_holds(
+        moto_server: Any, s3_bucket: str, tmp_path: Path) -> None:
+    """Two agents on loopback (two "nodes", one rank each, data-parallel), each with its own
+    job directory and so its own local tier. DeepSpeed's rank 1 reads the model files rank 0
+    wrote, which are on node 0's disk only: no step is local-complete on node 1, so after the
+    crash the group restores the newest durable step (node 1 downloads what it lacks), never a
+    step one node cannot read."""
+    runs = [tmp_path / "node0", tmp_path / "node1"]
+    job_id = new_job_id()
+    for run in runs:
+        run.mkdir()
+        write_local_job_id(run, job_id)  # as ds3dd gives every node's job directory
+    store = f'checkpoint.store="s3://{s3_bucket}/{PREFIX}"'
+    env = worker_env(**moto_server.env(), **SLOW)
+    client = moto_server.client()
+
+    def launch() -> list[subprocess.Popen[bytes]]:
+        port = free_port()
+        procs = []
+        for i, run in enumerate(runs):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+                   "--nproc-per-node=1", f"--node-rank={i}", "--master-addr=127.0.0.1",
+                   f"--master-port={port}", "-m", "ds3d.trainer.worker", "--run-dir", str(run),
+                   "--config", "tiny"]
+            for s in SETS + [store]:
+                cmd += ["--set", s]
+            with open(run / f"torchrun-{len(list(run.glob('torchrun-*')))}.log", "wb") as log:
+                procs.append(subprocess.Popen(cmd, env=env, stdout=log,
+                                              stderr=subprocess.STDOUT))
+        return procs
+
+    procs = launch()
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            assert all(p.poll() is None for p in procs), "training ended before the crash"
+            both = phases(runs[0], 0, "local_complete") & phases(runs[1], 1, "local_complete")
+            committed = phases(runs[0], 0, "committed")
+            if committed and both and max(both) > max(committed):
+                break
+            time.sleep(0.05)
+        else:
+            raise TimeoutError("no step committed with a newer step saved on both nodes")
+        os.kill(next(r["pid"] for r in records(runs[0], 0) if r["kind"] == "start"),
+                signal.SIGKILL)
+        for p in procs:
+            assert p.wait(120) != 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    durable = max(committed_in_store(client, s3_bucket))
+    saved_on_both = phases(runs[0], 0, "local_complete") & phases(runs[1], 1, "local_complete")
+    assert max(saved_on_both) > durable
+    assert not local_complete_steps(runs[1])  # node 1 never holds rank 0's files
+
+    procs = launch()
+    assert [p.wait(300) for p in procs] == [0, 0]
+    starts = [r["step"] for r in records(runs[0], 0, "start")]
+    assert starts == [0, durable], starts
+    restoring = [r for r in records(runs[0], 0, "checkpoint") if r.get("phase") == "restoring"]
+    assert restoring[-1]["step"] == durable and restoring[-1]["durable"] is True
+    assert [r["step"] for r in records(runs[1], 1, "start")][-1] == durable
+    assert STEPS in committed_in_store(client, s3_bucket)
