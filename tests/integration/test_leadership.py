@@ -1,0 +1,119 @@
+"""The etcd leader lease (daemon/leadership.py) between two real contender processes and a real
+etcd: one leader at a time, by etcd's record and by the processes' own reports; a leader frozen
+by SIGSTOP loses the lease, the other takes over once the key expired, and the old one, thawed,
+reports that its term ended before the new one began and follows.
+
+Heavy: `flock /tmp/ds3d-heavy.lock .venv/bin/pytest -q tests/integration/test_leadership.py`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+pytest_plugins = ["fixtures.etcd"]
+pytestmark = [pytest.mark.etcd, pytest.mark.timeout(120)]
+
+KEY = "/ds3d/test/leader"
+TTL = 5  # renewed every TTL/4; a holder acts for at most 3/4 TTL past its last renewal
+
+
+class Contender:
+    def __init__(self, endpoint: str, holder: str) -> None:
+        self.holder = holder
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ds3d.daemon.leadership", "--endpoint", endpoint,
+             "--key", KEY, "--holder", holder, "--ttl", str(TTL)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.records: list[dict] = []
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if line.startswith("{"):
+                self.records.append(json.loads(line))
+
+    def role(self) -> str | None:
+        return self.records[-1]["role"] if self.records else None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def wait(pred, what: str, timeout_s: float, sample=None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if sample is not None:
+            sample()
+        if pred():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_one_leader_at_a_time_and_takeover_after_the_leader_freezes(etcd_server):
+    import etcd
+
+    client = etcd_server.client()
+    contenders = [Contender(etcd_server.endpoint, "node-a"), Contender(etcd_server.endpoint,
+                                                                       "node-b")]
+    holders_seen: list[str | None] = []  # etcd's record, sampled while the test runs
+
+    def sample() -> None:
+        try:
+            holders_seen.append(client.read(KEY).value)
+        except etcd.EtcdKeyNotFound:
+            holders_seen.append(None)
+
+    try:
+        wait(lambda: any(c.role() == "leader" for c in contenders), "a leader", 30, sample)
+        time.sleep(TTL)  # both keep running: the leader renews, the other keeps waiting
+        sample()
+        (old,) = [c for c in contenders if c.role() == "leader"]
+        (new,) = [c for c in contenders if c is not old]
+        assert new.records == [], new.lines
+        assert client.read(KEY).value == old.holder
+        old_token = old.records[-1]["token"]
+        assert client.read(KEY).createdIndex == old_token  # the fencing token is etcd's index
+
+        os.kill(old.proc.pid, signal.SIGSTOP)  # it stops renewing and cannot act
+        wait(lambda: new.role() == "leader", "the takeover", 4 * TTL, sample)
+        took = new.records[-1]
+        assert took["token"] > old_token and client.read(KEY).value == new.holder
+
+        os.kill(old.proc.pid, signal.SIGCONT)
+        wait(lambda: old.role() == "follower", "the old leader to step down", 3 * TTL, sample)
+        left = old.records[-1]
+        assert left["token"] == old_token
+        # the processes' own word: the old term ended before the new one began (one clock)
+        assert left["until"] < took["since"], (old.records, new.records)
+        time.sleep(TTL)  # thawed, it follows: no second takeover
+        sample()
+        assert old.role() == "follower" and new.role() == "leader"
+        assert client.read(KEY).value == new.holder
+        assert [r["role"] for r in old.records] == ["leader", "follower"]
+        assert [r["role"] for r in new.records] == ["leader"]
+    finally:
+        for c in contenders:
+            c.stop()
+    # etcd's record: one holder at a time, old before new, never back to the old one
+    named = [h for i, h in enumerate(holders_seen) if h is not None and
+             (i == 0 or h != holders_seen[i - 1])]
+    named = [h for i, h in enumerate(named) if i == 0 or h != named[i - 1]]
+    assert named == [old.holder, new.holder], holders_seen
