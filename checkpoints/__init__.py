@@ -1,5 +1,6 @@
 """ds3d's checkpoint storage and commit layer.
 
+    errors       ds3d's one error hierarchy (`Ds3dError`...), imported by every layer
     layout       object keys and local marker paths (the contract with trainer and daemon)
     storage      the `Storage` protocol and `open_storage(url)`
     file_storage `FileStorage` (file://), atomic writes
@@ -8,6 +9,12 @@
     upload       per-rank upload, the committer, the background `Uploader`, and a CLI
     catalog      list / verify / delete / newest restorable checkpoint, retention applied
     retention    `plan_retention`: which committed steps to delete
+    settings     `CheckpointSettings`: what a worker's checkpointing reads of its job
+    engine_io    a worker's save (snapshot, upload, commit) and collective restore
+    logs         structlog set-up of the workers and the uploader process
+
+This package imports neither the trainer nor the daemon: it takes an engine and its own
+settings, and the export, which needs the model, is the trainer's (trainer/export.py).
 
 Submodules are imported explicitly (`from ds3d.checkpoints.upload import Uploader`): importing
 this package loads neither boto3 nor pydantic.

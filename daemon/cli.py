@@ -611,7 +611,7 @@ def _export(client: Any, args: argparse.Namespace, out: Any) -> None:
         store = store or job_store_url(cfg.checkpoint.store, cfg.name, run_dir)
         if args.format == "hf":
             tokenizer = cfg.data.tokenizer
-    from ds3d.checkpoints.export import export
+    from ds3d.trainer.export import export
 
     if args.out.startswith("s3://"):
         with tempfile.TemporaryDirectory(prefix="ds3d-export-") as tmp:
@@ -622,7 +622,7 @@ def _export(client: Any, args: argparse.Namespace, out: Any) -> None:
     else:
         cfg_out = export(store, args.out, args.step, args.format, tokenizer)
     how = ("transformers.AutoModelForCausalLM.from_pretrained(PATH)" if args.format == "hf"
-           else "ds3d.checkpoints.export.load_exported(PATH)")
+           else "ds3d.trainer.export.load_exported(PATH)")
     note = ("" if args.format != "hf" or tokenizer else
             "; no tokenizer known (set data.tokenizer or give --tokenizer), none written")
     print(f"{args.job}: exported step {cfg_out['step']} ({cfg_out['parameters']:,} parameters, "

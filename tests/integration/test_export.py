@@ -6,9 +6,9 @@ import json
 import pytest
 import torch
 
-from ds3d.checkpoints.export import export, load_exported
 from ds3d.trainer.config import build_job_config
 from ds3d.trainer.data import BatchPlan
+from ds3d.trainer.export import export, load_exported
 
 from support import losses, torchrun
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from ds3d.checkpoints.export import export, load_exported
+from ds3d.trainer.export import export, load_exported
 
 from support import REPO, byte_level_bpe, torchrun, worker_env
 

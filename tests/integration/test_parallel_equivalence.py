@@ -7,7 +7,7 @@ Three things are compared with the single-process run, each able to catch what t
     of averaged over DP or counted twice over TP, leaves AdamW's updates and so the loss almost
     unchanged, but not the norm);
   * every parameter after the last step, consolidated from the committed checkpoint by the export
-    path (ds3d.checkpoints.export), which must equal the single process's weights;
+    path (ds3d.trainer.export), which must equal the single process's weights;
 and with TP > 1, each TP rank's checkpoint must hold 1/TP of every weight matrix: a TP layout that
 silently ran replicated would pass the three comparisons above.
 
@@ -28,7 +28,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ds3d.checkpoints.export import export
+from ds3d.trainer.export import export
 
 from support import records, torchrun
 

@@ -32,16 +32,8 @@ def imports_of(folder: str, forbidden: str) -> list[str]:
     return found
 
 
-CHECKPOINTS_IMPORT_TRAINER = pytest.mark.xfail(strict=True, reason=(
-    "checkpoints/ still imports the trainer (issue 21, architecture item 1): trainer.errors "
-    "(storage, file_storage, s3_storage, catalog, identity, reshape, upload, engine_io, export), "
-    "trainer.config.JobConfig (engine_io; ModelConfig in export), trainer.logs (upload), and "
-    "the model, TP layers, checkpoint_info and hf_export (export). Strict: this test fails as "
-    "soon as those imports are gone, so the mark is removed with them."))
-
-
 @pytest.mark.parametrize(("folder", "forbidden"), [
-    pytest.param("checkpoints", "trainer", marks=CHECKPOINTS_IMPORT_TRAINER),
+    ("checkpoints", "trainer"),
     ("checkpoints", "daemon"),
     ("trainer", "daemon"),
     ("trainer", "protos"),

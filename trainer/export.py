@@ -17,8 +17,12 @@ Two output formats:
     tokenizer's files when the tokenizer is known) that `transformers.AutoModelForCausalLM`
     loads; the mapping is exact (trainer/hf_export.py).
 
-    python -m ds3d.checkpoints.export --store file:///…/store/JOB [--step N] --out DIR \
+    python -m ds3d.trainer.export --store file:///…/store/JOB [--step N] --out DIR \
         [--format hf [--tokenizer tokenizer.json]]
+
+It lives in the trainer because it needs the model (its TP split patterns, `GPTSequential`,
+the Hugging Face mapping); what it reads from the store goes through storage's `Catalog`
+(the newest committed checkpoint whose files verify), which knows no model.
 
 Weights are exported in the dtype the engine holds its module in (fp32 for fp32 jobs; bf16 or
 fp16 module weights for mixed-precision jobs, whose fp32 master copies live in the optimizer
@@ -35,10 +39,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ds3d.trainer.errors import CheckpointError, Ds3dError
+from ds3d.checkpoints.catalog import Catalog
+from ds3d.checkpoints.storage import open_storage
 
-from .catalog import Catalog
-from .storage import open_storage
+from .errors import CheckpointError, ConfigError, Ds3dError
 
 _LAYER_FILE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
 _MODEL_STATES = "mp_rank_00_model_states.pt"  # pipeline and ZeRO-0/1/2 engines, TP rank 0
@@ -47,7 +51,7 @@ _ZERO3_STATES = "zero_pp_rank_0_mp_rank_00_model_states.pt"  # ZeRO-3: one per D
 
 def _join_axis(name: str) -> int | None:
     """The axis TP shards of `name` join on (None: replicated on every TP rank)."""
-    from ds3d.trainer.checkpoint_info import JOIN_ON_DIM_1, TP_REPLICATED
+    from .checkpoint_info import JOIN_ON_DIM_1, TP_REPLICATED
 
     qualified = "0." + name  # the patterns expect the "<layer>." prefix
     if any(re.match(p, qualified) for p in TP_REPLICATED):
@@ -185,9 +189,8 @@ def export(store_url: str, out_dir: str | Path, step: int | None = None, fmt: st
                "zero_stage": job.get("zero_optimization", {}).get("stage"),
                "parameters": sum(t.numel() for t in tensors.values()), "format": fmt}
     if fmt == "hf":
-        from ds3d.trainer.config import ModelConfig
-        from ds3d.trainer.errors import ConfigError
-        from ds3d.trainer.hf_export import write_hf
+        from .config import ModelConfig
+        from .hf_export import write_hf
 
         try:
             written = write_hf(out, tensors, ModelConfig.model_validate(model_cfg), tokenizer,
@@ -228,9 +231,9 @@ def load_exported(path: str | Path) -> Any:
     import torch
     from safetensors.torch import load_file
 
-    from ds3d.trainer.config import JobConfig, ModelConfig
-    from ds3d.trainer.model import GPTSequential
-    from ds3d.trainer.tensor_parallel import TPGroup
+    from .config import JobConfig, ModelConfig
+    from .model import GPTSequential
+    from .tensor_parallel import TPGroup
 
     path = Path(path)
     m = ModelConfig.model_validate(json.loads((path / "config.json").read_text())["model"])
@@ -241,7 +244,7 @@ def load_exported(path: str | Path) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ds3d.checkpoints.export",
+    ap = argparse.ArgumentParser(prog="python -m ds3d.trainer.export",
                                  description="consolidated weights (safetensors + config.json) "
                                  "from a committed ds3d checkpoint of any (TP, PP, DP) layout "
                                  "and ZeRO stage, as ds3d's format or Hugging Face GPT-NeoX")
