@@ -52,7 +52,7 @@ from .multinode import JobNodes
 from .peers import PeerClient, PeerError
 from .policies import RestartPolicy, restart_policy_for
 from .procs import ProcessRef
-from .rendezvous import start_store
+from .rendezvous import etcd_endpoint, rendezvous_run_id, start_store
 from .reports import Observation, ReportTail
 from .stacks import StackDump, dump_stacks, suspects
 from .states import TERMINAL, JobState
@@ -379,7 +379,7 @@ class JobSupervisor:
             self.jobdir.command_file.unlink(missing_ok=True)
             self.store.update(self.name, attempt=attempt, command_acked=job.command_id)
             endpoint = self._ensure_rdzv(job)
-            run_id = f"{self.name}-a{attempt}"
+            run_id = rendezvous_run_id(self.name, attempt, job.job_id, bool(cfg.launch.rendezvous))
             self.agent = self.ctx.launcher.start(self.jobdir.path, cfg, attempt, endpoint,
                                                  run_id)
         assert self.agent is not None
@@ -398,6 +398,9 @@ class JobSupervisor:
                 self._restart_or_fail(self.store.get_job(self.name), fault)
 
     def _ensure_rdzv(self, job: Job) -> str:
+        endpoints = self._config(job).launch.etcd_endpoints
+        if endpoints:  # torch elastic's etcd rendezvous: the head hosts no store of its own
+            return etcd_endpoint(endpoints)
         ref = ProcessRef(job.rdzv_pid, job.rdzv_started)
         if not ref.alive():
             ref, port = start_store(self.jobdir.path, self.ctx.rdzv_host)
