@@ -182,9 +182,14 @@ def test_uploader_queues_saves_in_order(store: Storage, tmp_path: Path) -> None:
     up.close()
     steps_in_order = [layout.step_of_key(k) for k in slow.puts]
     assert steps_in_order == sorted(steps_in_order)  # one checkpoint at a time, oldest first
-    assert [(e.kind, e.step) for e in events] == [
-        ("uploaded", 10), ("committed", 10), ("uploaded", 20), ("committed", 20),
-        ("uploaded", 30), ("committed", 30)]
+    durable = [(e.kind, e.step) for e in events if e.kind != "local_complete"]
+    assert durable == [("uploaded", 10), ("committed", 10), ("uploaded", 20), ("committed", 20),
+                       ("uploaded", 30), ("committed", 30)]
+    # the first commit (the verify thread's, before any upload of its step) may run ahead
+    local = [(i, e.step) for i, e in enumerate(events) if e.kind == "local_complete"]
+    assert [step for _, step in local] == [10, 20, 30]
+    for i, step in local:
+        assert i < [(e.kind, e.step) for e in events].index(("uploaded", step))
     assert [c.step for c in Catalog(store, tmp_path).list()
             if c.state is CkptState.COMMITTED] == [10, 20, 30]
     assert read_marker(layout.local_rank_marker(tmp_path, 30, 0))["state"] == "committed"
@@ -199,7 +204,9 @@ def test_failed_upload_keeps_local_copy_and_is_retried(store: Storage, tmp_path:
     with structlog.testing.capture_logs() as logs:
         up.submit(50, files[0], meta_for(50))
         assert up.wait(10)
-    assert [e.kind for e in events] == ["failed"] and "injected outage" in events[0].detail
+    # local-complete (verified on disk) whatever the store does; then the upload failed
+    assert [e.kind for e in events] == ["local_complete", "failed"], events
+    assert "injected outage" in events[1].detail
     assert any(e["event"] == "checkpoint_upload_failed" for e in logs)
     assert read_marker(layout.local_rank_marker(tmp_path, 50, 0))["state"] == "failed"
     assert all((tmp_path / f).is_file() for f in files[0])
@@ -209,7 +216,7 @@ def test_failed_upload_keeps_local_copy_and_is_retried(store: Storage, tmp_path:
     while up.pending() and time.monotonic() < deadline:
         time.sleep(0.05)
     up.close()
-    assert [e.kind for e in events] == ["failed", "uploaded", "committed"]
+    assert [e.kind for e in events] == ["local_complete", "failed", "uploaded", "committed"]
     assert Catalog(store, tmp_path).list()[0].state is CkptState.COMMITTED
 
 
