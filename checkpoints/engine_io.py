@@ -138,7 +138,11 @@ class CheckpointManager:
         `rollback_to` asks for that exact step instead of the newest (CheckpointError if it is
         not restorable). Otherwise the newest step local-complete on every rank
         (local_complete.py), unless the store holds a newer durable one; checkpoints of this
-        rank newer than the choice are dropped (a timeline trained again)."""
+        rank newer than the choice are dropped (a timeline trained again). Rank 0's
+        `rollback_to` counts (only rank 0 reads the daemon's request): it is broadcast first,
+        so every rank takes the same collective path."""
+        asked = self._broadcast(-1 if rollback_to is None else rollback_to)
+        rollback_to = None if asked < 0 else asked
         found = None
         local_step, local_manifest = (-1, None) if rollback_to is not None else \
             agree_local_step(self.local_dir, self.me.rank, self.me.world_size, self.job_id,
