@@ -18,9 +18,21 @@ from pathlib import Path
 
 import psutil
 
-# The kernel reports start time in clock ticks; psutil turns it into float seconds. Allow for
-# the rounding between two reads of the same process.
+# The kernel reports start time in clock ticks since boot; psutil adds the boot time (/proc/stat
+# `btime`, whole seconds), which moves by whole seconds when the wall clock is adjusted (NTP on a
+# VM). Two reads of one process then differ by whole seconds plus rounding, and an exact match
+# would take the daemon's own agent for a stranger: it would never be stopped, and a restart
+# would run two worker groups (the likeliest cause of a CI run where an agent outlived its kill).
 _START_TIME_SLACK_S = 0.05
+_BOOT_TIME_DRIFT_S = 2  # whole seconds of btime movement accepted between two reads
+
+
+def same_start(a: float, b: float) -> bool:
+    """Two psutil create_time() reads of one process: equal up to rounding and a whole-second
+    move of the boot time."""
+    d = abs(a - b)
+    return d <= _BOOT_TIME_DRIFT_S + _START_TIME_SLACK_S and abs(d - round(d)) <= \
+        _START_TIME_SLACK_S
 
 
 @dataclass(frozen=True)
@@ -35,7 +47,7 @@ class ProcessRef:
             return False
         try:
             p = psutil.Process(self.pid)
-            if abs(p.create_time() - self.started) > _START_TIME_SLACK_S:
+            if not same_start(p.create_time(), self.started):
                 return False
             return bool(p.status() != psutil.STATUS_ZOMBIE)
         except psutil.NoSuchProcess:

@@ -109,8 +109,9 @@ def test_a_stop_of_a_hung_job_ends_it_stopped_without_a_restart(tmp_path):
         r = d.ctl("start", "tiny", "--name", "stuck", "--steps", "100000",
                   "--set", "checkpoint.interval=2")
         assert r.returncode == 0, r.stderr
-        job = d.wait_for("stuck", lambda j: j["last_checkpoint_step"] >= 2 or
-                         j["state"] == "FAILED", "a first checkpoint", timeout_s=400)
+        job = d.wait_for("stuck", lambda j: j["state"] == "FAILED" or (
+            j["state"] == "RUNNING" and j["last_checkpoint_step"] >= 2), "a first checkpoint",
+            timeout_s=400)
         assert job["state"] == "RUNNING", job
         [(pid, _)] = stacks.local_workers(Path(job["run_dir"])).values()
         os.kill(pid, signal.SIGSTOP)

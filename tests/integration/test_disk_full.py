@@ -61,9 +61,10 @@ def _run_through_a_full_disk(daemon: DaemonProc, disk: Path, fill_disk, name: st
                    "--set", f"checkpoint.interval={INTERVAL}", "--set", "checkpoint.keep_last=2")
     assert r.returncode == 0, r.stderr
     # a committed checkpoint first: the one that must survive the full disk
-    job = daemon.wait_for(name, lambda j: j["state"] == "FAILED" or
-                          j.get("last_checkpoint_step", -1) >= INTERVAL, "a first checkpoint",
-                          timeout_s=300)
+    # (RUNNING too: a fast worker's first checkpoint can be read in the tick that sees it start)
+    job = daemon.wait_for(name, lambda j: j["state"] == "FAILED" or (
+        j["state"] == "RUNNING" and j.get("last_checkpoint_step", -1) >= INTERVAL),
+        "a first checkpoint", timeout_s=300)
     assert job["state"] == "RUNNING", job
     run_dir = Path(job["run_dir"])
 

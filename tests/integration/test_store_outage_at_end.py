@@ -54,8 +54,12 @@ def test_outage_at_the_end_completes_without_restart(
             time.sleep(0.05)
         messages = []
         with rgw_cluster.gateway_down():
+            # down for OUTAGE_S, and on a slow host until the workers have finished training
+            # and the daemon says they wait for the store (not a race with the job's speed)
             t_down = time.monotonic()
-            while time.monotonic() - t_down < OUTAGE_S:
+            while time.monotonic() - t_down < OUTAGE_S or \
+                    not any("waiting for the store" in m for _, m in messages):
+                assert time.monotonic() - t_down < 240, messages[-5:]
                 job = d.job("outage")
                 messages.append((job["state"], job["message"]))
                 assert job["state"] == "RUNNING", job
