@@ -141,9 +141,9 @@ def test_job_folder_full_mid_run(state: Path, small_tmpfs, fill_disk) -> None:
 
 @pytest.mark.xfail(strict=False, reason=(
     "open defect (issue 19, disk): with the daemon's SQLite on the full disk, two of three "
-    "clean-clone CI runs on 2026-12-04 saw the job end STOPPED as asked but with restarts == 1 "
-    "(a worker group restarted once while the disk was full; cause not found yet), and one "
-    "earlier run a stop that never ended; it passes on a quiet machine. Quarantined, not "
+    "clean-clone CI runs on 2026-12-04 failed it: one saw the job end STOPPED as asked but "
+    "with restarts == 1 (a worker group restarted once while the disk was full; cause not "
+    "found yet), one a stop that never ended; it passes on a quiet machine. Quarantined, not "
     "skipped: it still runs every time and reports XPASS or XFAIL"))
 def test_state_dir_full_mid_run(state: Path, small_tmpfs, fill_disk) -> None:
     """The whole state directory (SQLite, the daemon's log, the jobs folder) on the tmpfs."""
