@@ -266,15 +266,20 @@ def timed_steps(args, cfg, device, one_step) -> dict:
 def profile_steps(args, device, one_step, first_step: int, n: int = 2) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                 record_shapes=True) as prof:
         for step in range(first_step, first_step + n):
             one_step(step)
         sync(device)
     table = prof.key_averages().table(sort_by="device_time_total", row_limit=60,
                                       max_name_column_width=90)
+    by_shape = prof.key_averages(group_by_input_shape=True).table(
+        sort_by="self_device_time_total", row_limit=25, max_name_column_width=40,
+        max_shapes_column_width=70)
     path = Path(args.profile_dir) / f"{args.section}.txt"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"{args.section}: {n} steps\n{table}\n\n{idle_gaps(prof, n)}\n")
+    path.write_text(f"{args.section}: {n} steps\n{table}\n\n{idle_gaps(prof, n)}\n\n"
+                    f"ops by input shape (self device time):\n{by_shape}\n")
     return kernel_categories(prof, n)
 
 
@@ -282,19 +287,27 @@ def idle_gaps(prof, n: int, top: int = 25) -> str:
     """Where the GPU waits: gaps between consecutive kernels longer than 0.1 ms, the largest
     with the innermost CPU ops running during them (what the host was doing meanwhile)."""
     events = list(prof.events())
-    kernels = sorted((e.time_range.start, e.time_range.end) for e in events
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
                      if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
     gaps, end = [], None
-    for a, b in kernels:
-        if end is not None and a - end > 100:
-            gaps.append((a - end, end, a))
+    idle_before: dict[str, list[float]] = {}  # every gap, by the kernel that ended it
+    for a, b, name in kernels:
+        if end is not None and a > end:
+            idle_before.setdefault(name[:70], []).append(a - end)
+            if a - end > 100:
+                gaps.append((a - end, end, a))
         end = b if end is None else max(end, b)
     if not kernels:
         return "no GPU kernels profiled"
     cpu = [e for e in events if e.device_type.name == "CPU"]
+    all_idle = sum(sum(v) for v in idle_before.values())
     lines = [f"GPU idle in gaps > 0.1 ms: {sum(g[0] for g in gaps) / 1e3 / n:.1f} ms per step "
              f"({len(gaps) / n:.0f} gaps per step); kernels span "
-             f"{(kernels[-1][1] - kernels[0][0]) / 1e3 / n:.1f} ms per step"]
+             f"{(kernels[-1][1] - kernels[0][0]) / 1e3 / n:.1f} ms per step; GPU idle in all "
+             f"gaps {all_idle / 1e3 / n:.1f} ms per step, by the kernel after the gap:"]
+    for name, v in sorted(idle_before.items(), key=lambda kv: -sum(kv[1]))[:15]:
+        lines.append(f"  {sum(v) / 1e3 / n:7.2f} ms in {len(v) / n:5.0f} gaps before {name}")
+    lines.append("largest gaps:")
     for length, a, b in sorted(gaps, reverse=True)[:top]:
         during = sorted((e for e in cpu if e.time_range.start < b and e.time_range.end > a),
                         key=lambda e: e.time_range.end - e.time_range.start)[:4]

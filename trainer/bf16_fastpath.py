@@ -1,21 +1,34 @@
-"""Two hot spots of DeepSpeed's BF16_Optimizer (0.19, used for bf16 with ZeRO 0/1), replaced by
-the same arithmetic with fewer memory passes and no host sync. Profiled on an H200 with the
-1.4B model (docs/performance.md), DeepSpeed's per-parameter optimizer work took ~30 ms a step
-against ~6 ms for a plain fused-AdamW loop.
+"""The hot spots of DeepSpeed's BF16_Optimizer (0.19, used for bf16 with ZeRO 0/1), replaced by
+the same arithmetic with fewer kernel launches, fewer memory passes and no extra host sync.
+Profiled on an H200 with the 1.4B model (docs/performance.md), DeepSpeed's per-parameter
+optimizer work (~300 parameters, several kernels each) left the GPU waiting on the host.
 
 * `update_hp_grads` adds each bf16 gradient into its fp32 accumulator as
-  `hp.add_(lp.grad.to(fp32))`: a converting copy (a full fp32 temporary, written and read again)
-  then the add. Here `hp.add_(lp.grad)`: one kernel that converts while it adds; the bf16 -> fp32
-  conversion is exact, so the sums are bit-identical.
-* gradient clipping tests `max_norm / (norm + eps) < 1` on a GPU tensor (a host sync in the middle
-  of the step), then launches one multiply per parameter. Here one foreach multiply by
-  min(coefficient, 1): clipped gradients get the same product, unclipped ones are multiplied by
-  exactly 1.0.
+  `hp.add_(lp.grad.to(fp32))`: per parameter a converting copy (an fp32 temporary) then the add.
+  Here a parameter's first gradient since the accumulators were zeroed is converted into its
+  accumulator by one `torch._foreach_copy_` over all of them (the bf16 -> fp32 conversion is
+  exact, so 0 + g == g); later micro-batches of the same step add as DeepSpeed does, with one
+  converting add. One difference in bits, none in results: an exact zero gradient of sign minus
+  stays -0.0 where DeepSpeed's 0.0 + (-0.0) stores +0.0; every reader gives identical bits for
+  either (the norm squares it, the clip multiplies it, the DP reduction sums it, Adam/AdamW and
+  SGD add a multiple of it to a moment or weight), which tests/unit/test_bf16_fastpath.py checks
+  on gradients that hold such zeros.
+* the gradient norm: DeepSpeed calls `t.detach().float().norm(2)` and `.to(device)` per tensor
+  and masks a non-finite norm with a tensor it creates from a host scalar (a host-to-device copy
+  in the middle of the step). Here the same `torch.linalg.vector_norm` per tensor (the op
+  `Tensor.norm(2)` dispatches to), the same stack/pow/sum/all-reduce/pow, and the mask filled
+  with the scalar -1.0 itself: the same value from the same kernels, less host time per tensor.
+* clipping tests `max_norm / (norm + eps) < 1` on a GPU tensor (a host sync), then launches one
+  multiply per parameter. Here one foreach multiply by min(coefficient, 1) (clipped gradients
+  get the same product, unclipped ones are multiplied by exactly 1.0), launched before the
+  step's one host sync (its non-finite-norm check): the GPU has it queued while the host waits.
+  A non-finite norm zeroes the gradients right after, as in DeepSpeed, so the early multiply
+  leaves no trace.
 
 `install()` is idempotent and applies to DeepSpeed 0.19 only (the version these were checked
-against, bit for bit, in tests/unit/test_bf16_fastpath.py); DS3D_DEEPSPEED_BF16=stock keeps
-DeepSpeed's own (for A/B runs). Measured gain on the H200 (same run, docs/performance.md): 1.3%
-of the eager step, 0.4% compiled, within the run-to-run spread.
+against in tests/unit/test_bf16_fastpath.py), for BF16_Optimizer configurations without MoE,
+Muon or immediate_grad_update (those keep DeepSpeed's code); DS3D_DEEPSPEED_BF16=stock keeps
+DeepSpeed's own everywhere (for A/B runs).
 """
 
 from __future__ import annotations
@@ -36,21 +49,36 @@ def install() -> None:
             not deepspeed.__version__.startswith("0.19."):
         return
     stock_update = cls.update_hp_grads
+    stock_step = cls.step
     stock_clip = bf16_optimizer.clip_tensors_by_global_norm
 
+    @torch.no_grad()
     def update_hp_grads(self: Any, clear_lp_grads: bool = False) -> None:
         if self.immediate_grad_update or getattr(self, "autoep_folding_tp_group", None) is not None:
             return stock_update(self, clear_lp_grads)
+        fresh_hp: list[torch.Tensor] = []
+        fresh_lp: list[torch.Tensor] = []
         for i, group in enumerate(self.bf16_groups):
+            hp_grads, has = self.fp32_groups_gradients[i], self.fp32_groups_has_gradients[i]
             for j, lp in enumerate(group):
                 if lp.grad is None:
                     continue
-                hp = self.fp32_groups_gradients[i][j]
-                hp.data.add_(lp.grad.data.view(hp.shape))
+                hp = hp_grads[j]
+                grad = lp.grad.data.view(hp.shape)
+                if has[j]:  # a later micro-batch of this step: accumulate
+                    hp.data.add_(grad)
+                else:  # the accumulator is zero (clear_hp_grads): 0 + g == g
+                    fresh_hp.append(hp.data)
+                    fresh_lp.append(grad)
                 lp._hp_grad = hp
-                self.fp32_groups_has_gradients[i][j] = True
-                if clear_lp_grads:
-                    lp.grad.zero_()
+                has[j] = True
+        if fresh_hp:
+            torch._foreach_copy_(fresh_hp, fresh_lp)
+        if clear_lp_grads:
+            for group in self.bf16_groups:
+                for lp in group:
+                    if lp.grad is not None:
+                        lp.grad.zero_()
         return None
 
     def clip(input_tensors: Any, max_norm: float = 1.0, global_norm: Any = None, mpu: Any = None,
@@ -63,6 +91,59 @@ def install() -> None:
             torch._foreach_mul_([t for t in tensors if t.dtype == dtype], coef.to(dtype))
         return global_norm
 
+    @torch.no_grad()
+    def step(self: Any, closure: Any = None) -> None:
+        """BF16_Optimizer.step of DeepSpeed 0.19.8 for the dense case, with the norm and the clip
+        above; every line else as DeepSpeed's."""
+        if closure is not None or self.has_moe_layers or self._uses_muon or \
+                float(self.norm_type) != 2.0:
+            return stock_step(self, closure)
+        self.overflow = False
+        grads, _ = self.get_grads_for_norm()
+        norm = global_norm_2(grads, self.mpu)
+        self._global_grad_norm = norm
+        if self.clip_grad > 0.:  # queued before the host sync below
+            clip(self.get_grads_for_norm(for_clipping=True), max_norm=self.clip_grad,
+                 global_norm=norm, mpu=self.mpu)
+        if bf16_optimizer.is_invalid_grad_norm(norm):
+            self.overflow = True
+            self._global_grad_norm = float("inf")
+            self.clear_hp_grads()
+            self.clear_lp_grads()
+            return None
+        for param_partition, grad_partition in zip(self.fp32_groups_flat_partition,
+                                                   self.fp32_groups_gradient_flat_partition,
+                                                   strict=True):
+            param_partition.grad = grad_partition.to(param_partition.dtype) \
+                if grad_partition.dtype != param_partition.dtype else grad_partition
+        self.optimizer.step()
+        if self.grad_acc_dtype is not torch.float32:
+            for param_partition in self.fp32_groups_flat_partition:
+                param_partition.grad = None
+        self._lazy_init_hp_params_optimizer_state()
+        self.update_lp_params()
+        self.clear_hp_grads()
+        return None
+
     update_hp_grads.ds3d_fast = True  # type: ignore[attr-defined]
     cls.update_hp_grads = update_hp_grads
+    cls.step = step
     bf16_optimizer.clip_tensors_by_global_norm = clip
+
+
+def global_norm_2(tensors: list[torch.Tensor], mpu: Any) -> torch.Tensor:
+    """deepspeed.runtime.utils.get_global_norm_of_tensors(tensors, norm_type=2, mpu=mpu) of
+    DeepSpeed 0.19.8 (no MoE group): the same kernels in the same order, less host work."""
+    from deepspeed import comm as dist
+    from deepspeed.accelerator import get_accelerator
+
+    device = torch.device(get_accelerator().current_device_name())
+    norms = []
+    for t in tensors:
+        n = torch.linalg.vector_norm(t.detach().float(), 2.0)
+        norms.append(n if n.device == device else n.to(device))
+    total = torch.stack(norms).pow(2.0).sum()
+    if mpu is not None:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=mpu.get_model_parallel_group())
+    total = total.to(tensors[0].device).pow(1. / 2.0)
+    return total.masked_fill_(total.isnan().logical_or(total.isinf()), -1.0)

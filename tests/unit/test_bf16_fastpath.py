@@ -1,7 +1,11 @@
 """ds3d's replacements in DeepSpeed's BF16_Optimizer (trainer/bf16_fastpath.py) train exactly
-like DeepSpeed's own: a real BF16_Optimizer (one gloo rank; SGD, which unlike Adam sees the
-clip's scale) stepped with the stock code and with the replacements, from the same weights and
-data, clipping every step and never, ends with identical weights and gradient norms."""
+like DeepSpeed's own: a real BF16_Optimizer (one gloo rank) stepped with the stock code and with
+the replacements, from the same weights and data, ends with identical weights, optimizer
+moments and gradient norms, bit for bit, for SGD (which unlike Adam sees the clip's scale) and
+AdamW, clipping every step and never, one micro-batch per step and two (the first converted
+into the zeroed accumulator, the second added). Some gradients are exact zeros of sign minus:
+the one place where the replacement's accumulator differs in bits (-0.0 kept, where
+DeepSpeed's 0.0 + -0.0 stores +0.0), checked to change nothing after it."""
 
 import subprocess
 import sys
@@ -18,24 +22,47 @@ SCRIPT = textwrap.dedent("""
     deepspeed.init_distributed(dist_backend="gloo")
     from ds3d.trainer import bf16_fastpath
 
-    def train(clip):
+    def bits(t):
+        return t.detach().float().view(torch.int32).flatten().tolist()
+
+    class SignedZeroGrads(torch.nn.Module):
+        # x + p * mask, mask -0.0 in its first columns: there d(loss)/dp = -0.0 * d(loss)/dy
+        # elementwise (no sum over a batch, which would start at +0.0), -0.0 where that is > 0
+        def __init__(self):
+            super().__init__()
+            self.p = torch.nn.Parameter(torch.randn(2, 16))
+            self.register_buffer("mask", torch.cat([torch.full((2, 3), -0.0),
+                                                    torch.ones(2, 13)], dim=1))
+
+        def forward(self, x):
+            return x + self.p * self.mask
+
+    def train(clip, opt_name, gas):
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(),
-                                    torch.nn.Linear(32, 4)).to(torch.bfloat16)
-        cfg = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2,
+        model = torch.nn.Sequential(SignedZeroGrads(), torch.nn.Linear(16, 32),
+                                    torch.nn.GELU(), torch.nn.Linear(32, 4)).to(torch.bfloat16)
+        cfg = {"train_batch_size": 2 * gas, "train_micro_batch_size_per_gpu": 2,
+               "gradient_accumulation_steps": gas,
                "gradient_clipping": clip, "bf16": {"enabled": True},
                "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True,
                "data_types": {"grad_accum_dtype": "fp32"}}
-        eng, *_ = deepspeed.initialize(model=model, config=cfg,
-                                       optimizer=torch.optim.SGD(model.parameters(), lr=0.5))
+        opt = (torch.optim.SGD(model.parameters(), lr=0.5) if opt_name == "sgd" else
+               torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1))
+        eng, *_ = deepspeed.initialize(model=model, config=cfg, optimizer=opt)
         assert type(eng.optimizer).__name__ == "BF16_Optimizer"
-        norms = []
+        norms, grads = [], []
         for step in range(4):
-            x = torch.randn(2, 16, generator=torch.Generator().manual_seed(step)).bfloat16()
-            eng.backward(eng(x).float().pow(2).mean())
-            eng.step()
+            for micro in range(gas):
+                g = torch.Generator().manual_seed(10 * step + micro)
+                x = torch.randn(2, 16, generator=g)
+                eng.backward(eng(x.bfloat16()).float().pow(2).mean())
+                if micro == gas - 1:
+                    grads.append([bits(t) for t in eng.optimizer.fp32_groups_gradients_flat])
+                eng.step()
             norms.append(float(eng.get_global_grad_norm()))
-        return [p.detach().clone() for p in model.parameters()], norms
+        state = [bits(v) for s in eng.optimizer.optimizer.state.values() for v in s.values()
+                 if torch.is_tensor(v) and v.numel() > 1]
+        return [bits(p) for p in model.parameters()], state, norms, grads
 
     if sys.argv[1] == "fast":
         bf16_fastpath.install()
@@ -43,20 +70,40 @@ SCRIPT = textwrap.dedent("""
     assert hasattr(bf16_optimizer.BF16_Optimizer.update_hp_grads, "ds3d_fast") == (
         sys.argv[1] == "fast")
     out = {}
-    for clip in (1e-3, 1e6):  # clipping every step / never
-        weights, norms = train(clip)
-        out[clip] = (norms, [w.view(torch.int16).flatten().tolist() for w in weights])
+    for opt_name in ("sgd", "adamw"):
+        for gas in (1, 2):
+            for clip in (1e-3, 1e6):  # clipping every step / never
+                out[f"{opt_name} gas={gas} clip={clip}"] = train(clip, opt_name, gas)
     print("RESULT", repr(out))
 """)
 
+NEG_ZERO, POS_ZERO = -2**31, 0  # float32 bit patterns of -0.0 and +0.0 as int32
 
-@pytest.mark.timeout(240)
-def test_fast_bf16_optimizer_paths_match_deepspeeds_bit_for_bit():
-    results = {}
-    for mode in ("stock", "fast"):
-        r = subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True,
-                           timeout=110)
-        lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
-        assert r.returncode == 0 and lines, r.stdout[-2000:] + r.stderr[-3000:]
-        results[mode] = lines[-1]
-    assert results["fast"] == results["stock"]
+
+def _run(mode: str) -> dict:
+    r = subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True,
+                       timeout=170)
+    lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    assert r.returncode == 0 and lines, r.stdout[-2000:] + r.stderr[-3000:]
+    return eval(lines[-1][len("RESULT "):])  # noqa: S307 - our own script's repr of ints/floats
+
+
+@pytest.mark.timeout(400)
+def test_fast_bf16_optimizer_paths_train_exactly_like_deepspeeds():
+    stock, fast = _run("stock"), _run("fast")
+    assert stock.keys() == fast.keys()
+    signed_zeros = 0
+    for case in stock:
+        s_weights, s_state, s_norms, s_grads = stock[case]
+        f_weights, f_state, f_norms, f_grads = fast[case]
+        assert f_weights == s_weights, case
+        assert f_state == s_state, case
+        assert f_norms == s_norms, case
+        assert len(s_state) == (2 if "adamw" in case else 0), case  # AdamW's two moments
+        for s_step, f_step in zip(s_grads, f_grads, strict=True):
+            for s_flat, f_flat in zip(s_step, f_step, strict=True):
+                for s, f in zip(s_flat, f_flat, strict=True):
+                    if s != f:  # only the sign of an exact zero may differ
+                        assert (s, f) == (POS_ZERO, NEG_ZERO), case
+                        signed_zeros += 1
+    assert signed_zeros > 0  # the data did produce -0.0 gradients: the claim above was tested
