@@ -25,6 +25,10 @@ optimizer work (~300 parameters, several kernels each) left the GPU waiting on t
   A non-finite norm zeroes the gradients right after, as in DeepSpeed, so the early multiply
   leaves no trace.
 
+* the data-parallel gradient reduction, when it is an identity (`reduction_is_identity`): at
+  DP 1 without gradient accumulation DeepSpeed still converts the fp32 gradient buffers to bf16
+  and back (two full passes over them) around an all-reduce of one rank.
+
 `install()` is idempotent and applies to DeepSpeed 0.19 only (the version these were checked
 against in tests/unit/test_bf16_fastpath.py), for BF16_Optimizer configurations without MoE,
 Muon or immediate_grad_update (those keep DeepSpeed's code); DS3D_DEEPSPEED_BF16=stock keeps
@@ -55,7 +59,10 @@ def install() -> None:
     @torch.no_grad()
     def update_hp_grads(self: Any, clear_lp_grads: bool = False) -> None:
         if self.immediate_grad_update or getattr(self, "autoep_folding_tp_group", None) is not None:
+            self._ds3d_bf16_exact = False
             return stock_update(self, clear_lp_grads)
+        first = not any(any(has) for has in self.fp32_groups_has_gradients)
+        exact = first or getattr(self, "_ds3d_bf16_exact", False)
         fresh_hp: list[torch.Tensor] = []
         fresh_lp: list[torch.Tensor] = []
         for i, group in enumerate(self.bf16_groups):
@@ -67,13 +74,16 @@ def install() -> None:
                 grad = lp.grad.data.view(hp.shape)
                 if has[j]:  # a later micro-batch of this step: accumulate
                     hp.data.add_(grad)
+                    exact = False
                 else:  # the accumulator is zero (clear_hp_grads): 0 + g == g
                     fresh_hp.append(hp.data)
                     fresh_lp.append(grad)
+                    exact = exact and grad.dtype == torch.bfloat16
                 lp._hp_grad = hp
                 has[j] = True
         if fresh_hp:
             torch._foreach_copy_(fresh_hp, fresh_lp)
+        self._ds3d_bf16_exact = exact  # every accumulator holds a bf16 value (or zero)
         if clear_lp_grads:
             for group in self.bf16_groups:
                 for lp in group:
@@ -125,10 +135,48 @@ def install() -> None:
         self.clear_hp_grads()
         return None
 
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    stock_reduce = DeepSpeedEngine.buffered_allreduce_fallback
+
+    def buffered_allreduce_fallback(self: Any, grads: Any = None,
+                                    elements_per_buffer: int = 500000000) -> None:
+        if grads is None and reduction_is_identity(self, cls):
+            return None
+        return stock_reduce(self, grads, elements_per_buffer)
+
     update_hp_grads.ds3d_fast = True  # type: ignore[attr-defined]
     cls.update_hp_grads = update_hp_grads
     cls.step = step
     bf16_optimizer.clip_tensors_by_global_norm = clip
+    DeepSpeedEngine.buffered_allreduce_fallback = buffered_allreduce_fallback
+
+
+def reduction_is_identity(engine: Any, bf16_cls: type) -> bool:
+    """DeepSpeed 0.19's gradient reduction for BF16_Optimizer (`buffered_allreduce_fallback` ->
+    `allreduce_bucket`) converts the fp32 gradient buffers to the communication dtype, all-reduces
+    them over the data-parallel group and converts them back, at every DP size. It changes no
+    bit when that group is this rank alone, the gradients are bf16 values already (one
+    micro-batch per step, none accumulated in fp32: `_ds3d_bf16_exact`), the communication dtype
+    holds every bf16 value (bf16, fp32), no tied-weight all-reduce summed into the buffers
+    first, and no pre/post-division factor other than 1 multiplies them. Then the two full
+    passes over the buffers (~6 ms a step of the 1.4B model on the H200) are skipped."""
+    from deepspeed import comm as dist
+    from deepspeed.utils import groups
+
+    opt = engine.optimizer
+    if not isinstance(opt, bf16_cls) or not getattr(opt, "_ds3d_bf16_exact", False) or \
+            engine.has_moe_layers or engine.gradient_predivide_factor() != 1.0 or \
+            engine.communication_data_type not in (torch.bfloat16, torch.float32):
+        return False
+    if engine.pipeline_parallelism:
+        dp_group = engine.mpu.get_data_parallel_group()
+        tied = engine.module.get_tied_weights_and_groups()
+        if any(dist.get_world_size(group=group) != 1 for _, group in tied):
+            return False
+    else:
+        dp_group = groups._get_sequence_data_parallel_group()
+    return bool(dist.get_world_size(group=dp_group) == 1)
 
 
 def global_norm_2(tensors: list[torch.Tensor], mpu: Any) -> torch.Tensor:
