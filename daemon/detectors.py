@@ -20,6 +20,7 @@ from ds3d.trainer.kinds import EventKind, RecordKind
 from ds3d.trainer.process_age import process_age_s
 
 from .extension_cache import find_locks
+from .procs import job_workers
 from .reports import Observation
 from .states import JobState
 from .store import Job
@@ -64,7 +65,8 @@ class HangDetector:
     A worker group the elastic agent restarted on its own (a worker exited: the job stays
     RUNNING) needs start-up time before its first report (imports, rendezvous, restore): until
     that first report, silence is measured from the newest worker process's start and allowed
-    `startup_s`, not the step-derived timeout."""
+    `startup_s`, not the step-derived timeout. A group has reported once a report came from one
+    of its live worker processes (by pid)."""
 
     def __init__(self, min_timeout_s: float = 120.0, factor: float = 20.0,
                  startup_s: float = 120.0) -> None:
@@ -73,6 +75,7 @@ class HangDetector:
         self.startup_s = max(startup_s, min_timeout_s)
         self._since: float | None = None
         self._step_times: list[float] = []
+        self._pids: set[int] = set()  # worker pids that sent a report
 
     def timeout_s(self) -> float:
         if not self._step_times:
@@ -86,6 +89,7 @@ class HangDetector:
         now = time.monotonic()
         if self._since is None:
             self._since = now
+        self._pids.update(r["pid"] for r in obs.records if isinstance(r.get("pid"), int))
         for rec in obs.kinds(RecordKind.STEP):
             t = rec.get("step_time_s")
             if isinstance(t, int | float) and t > 0:
@@ -94,10 +98,8 @@ class HangDetector:
         silent = now - last
         if silent <= self.timeout_s():
             return None
-        started = newest_worker_start(job.agent_pid, now)
-        # (process start times are known to ~1 s: the kernel's boot time is whole seconds; no
-        # group reports within seconds of its start, so the slack cannot hide a real report)
-        if started is not None and started + START_SLACK_S > last:  # restarted, not reporting
+        started = unreported_group_start(job.run_dir, self._pids, now)
+        if started is not None:  # restarted, not reporting yet
             if now - started <= self.startup_s:
                 return None
             self._since = now
@@ -109,21 +111,18 @@ class HangDetector:
                      f"{self.timeout_s():.0f} s)", restart=True)
 
 
-START_SLACK_S = 1.5
-
-
-def newest_worker_start(agent_pid: int, now_monotonic: float) -> float | None:
-    """When the newest process under the local elastic agent started, on the monotonic clock
-    (None without a local agent, e.g. on a node that only heads the job)."""
-    import psutil
-
-    if agent_pid <= 0:
+def unreported_group_start(run_dir: str, reported_pids: set[int],
+                           now_monotonic: float) -> float | None:
+    """When this node's worker group started, on the monotonic clock, if none of its processes
+    has sent a report yet (a group the agent restarted); None once one has, or without local
+    workers (a node that only heads the job). By pid, not by clock: forked workers report
+    within a fraction of a second of their start. `reported_pids` is pruned to the live
+    workers, so a reused pid is not taken for one that reported."""
+    workers = job_workers(run_dir)
+    reported_pids &= {p.pid for p in workers}
+    if not workers or reported_pids:
         return None
-    try:
-        children = psutil.Process(agent_pid).children(recursive=True)
-    except psutil.Error:
-        return None
-    ages = [age for age in (process_age_s(c.pid) for c in children) if age is not None]
+    ages = [age for age in (process_age_s(p.pid) for p in workers) if age is not None]
     return now_monotonic - min(ages) if ages else None
 
 

@@ -31,7 +31,7 @@ import psutil
 from ds3d.trainer.config import JobConfig
 
 from .extension_cache import job_extensions_dir
-from .procs import ProcessRef, spawn_detached
+from .procs import ProcessRef, job_workers, spawn_detached
 from .rendezvous import ETCD_BACKEND
 
 WORKER_MODULE = "ds3d.trainer.worker"
@@ -154,17 +154,11 @@ class Launcher:
 def kill_strays(run_dir: Path, grace_s: float = 5.0) -> list[int]:
     """Ends worker processes of `run_dir` whose agent is gone.
 
-    torch elastic starts each worker in a session of its own, so a SIGKILLed agent leaves its
-    workers running (still writing reports, still holding memory). Before a relaunch the daemon
-    finds them by their command line (`... --run-dir RUN_DIR`) and ends them: SIGTERM, then
-    SIGKILL after `grace_s`. Returns the pids it signalled."""
-    target = str(run_dir)
-    strays = []
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        cmd = p.info.get("cmdline") or []
-        if "--run-dir" in cmd and cmd.index("--run-dir") + 1 < len(cmd) and \
-                cmd[cmd.index("--run-dir") + 1] == target and "ds3d.daemon.agent" not in cmd:
-            strays.append(p)
+    A worker outlives a SIGKILLed agent until its forkserver notices (and a worker that ignores
+    the SIGINT it then gets lives on, still writing reports, still holding memory). Before a
+    relaunch the daemon finds them by their process title (procs.WorkerTitle) and ends them:
+    SIGTERM, then SIGKILL after `grace_s`. Returns the pids it signalled."""
+    strays = list(job_workers(run_dir))
     for p in strays:
         try:
             p.terminate()

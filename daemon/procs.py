@@ -9,6 +9,7 @@ the pid and treats a process as "ours" only if both match.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -90,3 +91,47 @@ def spawn_detached(argv: Sequence[str], log_path: Path, env: dict[str, str],
                                 stderr=subprocess.STDOUT, env=env, cwd=cwd,
                                 start_new_session=True, close_fds=True)
     return proc, ProcessRef(proc.pid, psutil.Process(proc.pid).create_time())
+
+
+# Workers are forked from a forkserver (daemon/agent.py), so their command line is the
+# forkserver's. Each worker sets its process title to this, which `ps` shows and by which the
+# daemon finds a job's workers (stacks, strays): RUN_DIR may contain spaces, hence the regex.
+_WORKER_TITLE = "ds3d-worker {module} --run-dir {run_dir} --rank {rank} --local-rank {local_rank}"
+_WORKER_TITLE_RE = re.compile(
+    r"^ds3d-worker (?P<module>\S+) --run-dir (?P<run_dir>.+) --rank (?P<rank>\d+) "
+    r"--local-rank (?P<local_rank>\d+)$")
+
+
+@dataclass(frozen=True)
+class WorkerTitle:
+    """What a worker's process title says: its job (run dir), module and ranks."""
+
+    module: str
+    run_dir: str
+    rank: int
+    local_rank: int
+
+    def __str__(self) -> str:
+        return _WORKER_TITLE.format(module=self.module, run_dir=self.run_dir, rank=self.rank,
+                                    local_rank=self.local_rank)
+
+    @classmethod
+    def parse(cls, cmdline: Sequence[str]) -> WorkerTitle | None:
+        """The title in a process's command line (psutil returns a set title as one element,
+        padded with empty strings), or None for any other process."""
+        m = _WORKER_TITLE_RE.match(" ".join(cmdline).strip())
+        if m is None:
+            return None
+        return cls(m["module"], m["run_dir"], int(m["rank"]), int(m["local_rank"]))
+
+
+def job_workers(run_dir: Path | str) -> dict[psutil.Process, WorkerTitle]:
+    """The live worker processes of the job in `run_dir`, with what their titles say."""
+    target = str(run_dir)
+    out: dict[psutil.Process, WorkerTitle] = {}
+    for p in psutil.process_iter(["cmdline", "status"]):
+        title = WorkerTitle.parse(p.info.get("cmdline") or [])
+        if title is not None and title.run_dir == target and \
+                p.info.get("status") != psutil.STATUS_ZOMBIE:
+            out[p] = title
+    return out

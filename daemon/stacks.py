@@ -27,6 +27,8 @@ from pathlib import Path
 
 import psutil
 
+from .procs import job_workers
+
 # frames of a rank that is waiting on its peers (a collective or a pipeline send/recv)
 _WAITING = ("distributed_c10d.py", "/pipe/p2p.py", "torch/distributed/")
 # frames of torch's elastic machinery every worker has at the bottom of its stack (the entry's
@@ -42,24 +44,9 @@ def _waiting(stack: str) -> bool:
 
 
 def local_workers(run_dir: Path) -> dict[int, tuple[int, int]]:
-    """Global rank -> (pid, local rank) of the live worker processes of `run_dir`, from the
-    RANK/LOCAL_RANK the agent put in their environment."""
-    target = str(run_dir)
-    out: dict[int, tuple[int, int]] = {}
-    for p in psutil.process_iter(["pid", "cmdline", "status"]):
-        cmd = p.info.get("cmdline") or []
-        if "--run-dir" not in cmd or "ds3d.daemon.agent" in cmd or \
-                p.info.get("status") == psutil.STATUS_ZOMBIE:
-            continue
-        i = cmd.index("--run-dir")
-        if i + 1 >= len(cmd) or cmd[i + 1] != target:
-            continue
-        try:
-            env = p.environ()
-            out[int(env["RANK"])] = (p.info["pid"], int(env.get("LOCAL_RANK", 0)))
-        except (psutil.Error, KeyError, ValueError):
-            continue
-    return out
+    """Global rank -> (pid, local rank) of the live worker processes of `run_dir`, from their
+    process titles (procs.WorkerTitle)."""
+    return {t.rank: (p.pid, t.local_rank) for p, t in job_workers(run_dir).items()}
 
 
 def _py_spy() -> str | None:

@@ -23,19 +23,36 @@ def worker_env(**extra: str) -> dict[str, str]:
 def torchrun(run_dir: Path, nproc: int, config: str = "tiny", sets: list[str] | None = None,
              extra: list[str] | None = None, timeout: float = 300,
              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Runs one job to its end under torchrun --standalone (c10d rendezvous on a free port)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", "-m", "ds3d.trainer.worker", "--run-dir", str(run_dir),
-           "--config", config]
-    for s in sets or []:
-        cmd += ["--set", s]
-    cmd += extra or []
-    run_dir.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(cmd, env=worker_env(**(env or {})), capture_output=True, text=True,
-                          timeout=timeout)
-    (run_dir / "torchrun.log").write_text(proc.stdout + proc.stderr)
+    """Runs one job to its end under ds3d's node agent without a daemon: `python -m
+    ds3d.daemon.agent` is torch elastic's LocalElasticAgent, here with a c10d rendezvous it
+    hosts itself (as torchrun --standalone), its workers forked from a forkserver that imported
+    the trainer once (a 4-rank start is a fork, not ~16 CPU-s of imports). The agent's output
+    and every worker's stdout/stderr are gathered in RUN_DIR/torchrun.log."""
+    from ds3d.daemon.launcher import RDZV_CONFIGS, WORKER_MODULE
+
+    from fixtures.s3 import free_port
+
+    args = ["--config", config] + [a for s in sets or [] for a in ("--set", s)] + (extra or [])
+    control = run_dir / "control"
+    control.mkdir(parents=True, exist_ok=True)
+    logs = run_dir / "logs" / "torchrun"
+    spec = {"run_dir": str(run_dir), "run_id": run_dir.name, "min_nodes": 1, "max_nodes": 1,
+            "nproc_per_node": nproc, "rdzv_backend": "c10d",
+            "rdzv_endpoint": f"127.0.0.1:{free_port()}",
+            "rdzv_configs": {**RDZV_CONFIGS, "is_host": True}, "max_restarts": 0,
+            "worker_module": WORKER_MODULE, "worker_args": args, "log_dir": str(logs),
+            "result_file": str(control / "torchrun-agent.exit"),
+            "pid_file": str(control / "torchrun-agent.pid"), "local_addr": "127.0.0.1"}
+    spec_file = control / "torchrun-agent.json"
+    spec_file.write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, "-m", "ds3d.daemon.agent", "--spec", str(spec_file)],
+                          env=worker_env(DS3D_RUN_DIR=str(run_dir), **(env or {})),
+                          capture_output=True, text=True, timeout=timeout)
+    workers = [f.read_text(errors="replace") for f in sorted(logs.glob("**/std*.log"))]
+    (run_dir / "torchrun.log").write_text(proc.stdout + proc.stderr + "".join(workers))
     if proc.returncode != 0:
-        raise AssertionError(f"torchrun exited {proc.returncode}:\n{proc.stderr[-4000:]}")
+        raise AssertionError(f"agent exited {proc.returncode}:\n{proc.stderr[-2000:]}\n"
+                             + "".join(w[-2000:] for w in workers))
     return proc
 
 

@@ -355,6 +355,8 @@ def test_crash_loop_ends_failed_after_the_restart_budget(daemon, tmp_path):
 
 STUCK = r'''
 import faulthandler, signal, sys, time
+import setproctitle
+setproctitle.setproctitle(sys.argv[1])  # what ds3d's agent sets in each forked worker
 faulthandler.register(signal.SIGUSR1, all_threads=True)
 def stuck_here():
     while True:
@@ -367,13 +369,14 @@ stuck_here()
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("method", ["py-spy", "faulthandler"])
 def test_stack_capture_of_a_stuck_worker(tmp_path, monkeypatch, method):
-    """dump_stacks finds a job's worker by --run-dir and its RANK, and reads its stack with
-    py-spy or, without py-spy, through SIGUSR1 + faulthandler into the agent's stderr log."""
-    import os
+    """dump_stacks finds a job's worker by its process title (run dir and ranks), and reads its
+    stack with py-spy or, without py-spy, through SIGUSR1 + faulthandler into the agent's stderr
+    log."""
     import subprocess
     import time
 
     from ds3d.daemon import stacks
+    from ds3d.daemon.procs import WorkerTitle
 
     if method == "py-spy" and stacks._py_spy() is None:
         pytest.skip("py-spy is not installed")
@@ -385,9 +388,9 @@ def test_stack_capture_of_a_stuck_worker(tmp_path, monkeypatch, method):
     script = tmp_path / "stuck.py"
     script.write_text(STUCK)
     with open(log, "ab") as err:
-        proc = subprocess.Popen([sys.executable, str(script), "--run-dir", str(run_dir)],
-                                stdout=subprocess.PIPE, stderr=err,
-                                env={**os.environ, "RANK": "5", "LOCAL_RANK": "0"})
+        title = WorkerTitle("ds3d.trainer.worker", str(run_dir), rank=5, local_rank=0)
+        proc = subprocess.Popen([sys.executable, str(script), str(title)],
+                                stdout=subprocess.PIPE, stderr=err)
     try:
         assert proc.stdout.readline().strip() == b"ready"
         time.sleep(0.2)

@@ -27,6 +27,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 
 from ds3d.daemon import stacks  # noqa: E402
+from ds3d.daemon.procs import WorkerTitle  # noqa: E402
 from ds3d.trainer.config import build_job_config  # noqa: E402
 
 from test_daemon_support import DaemonProc, pb  # noqa: E402
@@ -137,7 +138,9 @@ def test_a_stop_of_a_hung_job_ends_it_stopped_without_a_restart(tmp_path):
 
 
 FROZEN = r'''
-import time
+import sys, time
+import setproctitle
+setproctitle.setproctitle(sys.argv[1])  # what ds3d's agent sets in each forked worker
 print("ready", flush=True)
 while True:
     time.sleep(1)
@@ -149,9 +152,8 @@ def test_dump_stacks_names_a_stopped_process_instead_of_waiting_on_it(tmp_path):
     run_dir = tmp_path / "job"
     script = tmp_path / "frozen.py"
     script.write_text(FROZEN)
-    proc = subprocess.Popen([sys.executable, str(script), "--run-dir", str(run_dir)],
-                            stdout=subprocess.PIPE,
-                            env={**os.environ, "RANK": "3", "LOCAL_RANK": "0"})
+    title = WorkerTitle("ds3d.trainer.worker", str(run_dir), rank=3, local_rank=0)
+    proc = subprocess.Popen([sys.executable, str(script), str(title)], stdout=subprocess.PIPE)
     try:
         assert proc.stdout.readline().strip() == b"ready"
         os.kill(proc.pid, signal.SIGSTOP)

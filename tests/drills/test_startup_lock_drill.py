@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 
 from ds3d.daemon.detectors import StartupDetector  # noqa: E402
 from ds3d.daemon.extension_cache import clear_stale_locks, find_locks  # noqa: E402
+from ds3d.daemon.procs import WorkerTitle  # noqa: E402
 from ds3d.daemon.reports import Observation  # noqa: E402
 from ds3d.daemon.states import JobState  # noqa: E402
 from ds3d.trainer.config import build_job_config  # noqa: E402
@@ -57,7 +58,7 @@ def held_lock(ext_dir: Path, timeout_s: float) -> tuple[Path, int]:
         for lock in find_locks([ext_dir]):
             for pid in lock.holders:
                 try:
-                    if "--run-dir" in psutil.Process(pid).cmdline():
+                    if WorkerTitle.parse(psutil.Process(pid).cmdline()) is not None:
                         return lock.path, pid
                 except psutil.Error:
                     continue

@@ -34,3 +34,28 @@ def test_a_ref_with_a_shifted_start_is_still_alive_and_a_wrong_one_is_not():
         proc.kill()
         proc.wait()
     assert not ProcessRef(proc.pid, started).alive()
+
+
+def test_a_worker_title_round_trips_through_the_command_line_psutil_reads(tmp_path):
+    """A forked worker's title is its whole command line: psutil returns it as one element
+    padded with empty strings; a run dir with spaces still parses; other processes do not."""
+    import subprocess
+    import sys
+
+    from ds3d.daemon.procs import WorkerTitle, job_workers
+
+    run_dir = tmp_path / "a job dir"
+    title = WorkerTitle("ds3d.trainer.worker", str(run_dir), rank=12, local_rank=3)
+    assert WorkerTitle.parse([str(title), "", ""]) == title
+    assert WorkerTitle.parse(["python", "-m", "ds3d.trainer.worker", "--run-dir", "x"]) is None
+    proc = subprocess.Popen([sys.executable, "-c", "import sys, time, setproctitle; "
+                             "setproctitle.setproctitle(sys.argv[1]); print('ok', flush=True); "
+                             "time.sleep(30)", str(title)], stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"ok"
+        [(p, seen)] = job_workers(run_dir).items()
+        assert p.pid == proc.pid and seen == title
+        assert job_workers(tmp_path / "another job") == {}
+    finally:
+        proc.kill()
+        proc.wait()
