@@ -8,7 +8,11 @@ the store, then applies retention. The training thread never waits for any of th
 
 Restore (collective, before the engine is built, because a changed layout needs DeepSpeed's
 `load_universal` switch at initialisation): the ranks agree on the newest step local-complete on
-every rank (local_complete.py); rank 0 looks for a newer committed checkpoint whose files verify
+every rank (local_complete.py), unhashed: each rank's own files of it are read in parallel into
+host memory and checked against the sha256 recorded at save as they stream (read_ahead.py),
+in the background while the engine is built; `confirm` then agrees that every rank's files
+matched (or plans again without that step) and `load` serves DeepSpeed from those buffers, so
+the files are read once. Rank 0 looks for a newer committed checkpoint whose files verify
 (local copy first, otherwise downloaded and checked), every node's first rank makes that step
 available locally, and when the saved (TP, PP, DP) differs from the current one
 the checkpoint is converted to DeepSpeed's universal format and loaded from there.
@@ -16,6 +20,7 @@ the checkpoint is converted to DeepSpeed's universal format and loaded from ther
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -32,8 +37,9 @@ from .catalog import Catalog, CkptState
 from .disk_space import Shortage
 from .errors import CheckpointError, Ds3dError
 from .identity import claim_prefix, local_job_id
-from .local_complete import agree_local_step
+from .local_complete import agree_local_step, read_record
 from .manifest import CheckpointMeta, Layout, Manifest, manifest_from_entries
+from .read_ahead import ReadAhead, ReadResult
 from .reshape import check_reshapable, convert_to_universal, needs_reshape
 from .settings import CheckpointSettings
 from .snapshot import SnapshotCheckpointEngine
@@ -60,6 +66,12 @@ class RestorePlan:
     source: str = "local"
     # "memory": the other ranks' files of the tag, as skeletons (SnapshotCheckpointEngine)
     peers: dict[str, Any] = field(default_factory=dict)
+    # "local", unhashed yet: this rank's files being read and hashed (`confirm` waits for it)
+    read_ahead: ReadAhead | None = field(default=None, compare=False)
+    # after `confirm`: this rank's files' verified bytes by path, which `load` is served from
+    buffers: dict[str, memoryview] = field(default_factory=dict, compare=False)
+    # steps whose local copy failed its hashes in this restore (never planned again)
+    excluded: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -133,20 +145,24 @@ class CheckpointManager:
 
     # -- restore ------------------------------------------------------------------------------
 
-    def plan_restore(self, rollback_to: int | None = None) -> RestorePlan | None:
+    def plan_restore(self, rollback_to: int | None = None,
+                     exclude: frozenset[int] = frozenset()) -> RestorePlan | None:
         """Collective: every rank returns the same plan (or None for a fresh start).
         `rollback_to` asks for that exact step instead of the newest (CheckpointError if it is
         not restorable). Otherwise the newest step local-complete on every rank
         (local_complete.py), unless the store holds a newer durable one; checkpoints of this
         rank newer than the choice are dropped (a timeline trained again). Rank 0's
         `rollback_to` counts (only rank 0 reads the daemon's request): it is broadcast first,
-        so every rank takes the same collective path."""
+        so every rank takes the same collective path. A step local-complete on every rank is
+        planned before its hashes are checked: the plan's `read_ahead` reads and hashes this
+        rank's files in the background, and `confirm` (collective, before `load`) accepts it
+        or plans again with the step in `exclude`."""
         asked = self._broadcast(-1 if rollback_to is None else rollback_to)
         rollback_to = None if asked < 0 else asked
         found = None
         local_step, local_manifest = (-1, None) if rollback_to is not None else \
             agree_local_step(self.local_dir, self.me.rank, self.me.world_size, self.job_id,
-                             self.device)
+                             self.device, verify=False, exclude=exclude)
         if self.me.rank == 0:
             found = self.catalog.newest_restorable(checksums=True, download=True,
                                                    only_step=rollback_to, newer_than=local_step)
@@ -186,6 +202,16 @@ class CheckpointManager:
         moved = self.partition is not None and saved_parts is not None and \
             list(saved_parts) != list(self.partition)
         universal = needs_reshape(saved, me.tp, me.pp, me.dp) or moved
+        read_ahead = None
+        if step == local_step:  # unhashed yet: read and hash this rank's files in the background
+            own = read_record(self.local_dir, step, me.rank)
+            files = own.part.files if own is not None else []
+            read_ahead = ReadAhead(self.local_dir, files).start()
+            self._pin_early(sum(f.size for f in files))
+            if universal:  # the conversion reads the files: they must verify first
+                if not self._all_verified(step, read_ahead.wait()):
+                    return self.confirm(self.plan_restore(exclude=exclude | {step}))
+                read_ahead = None  # the converted files are what is loaded
         tag = manifest.tag
         if universal:
             check_reshapable(saved, me.tp, me.pp, me.dp, self.settings.zero_stage)
@@ -202,7 +228,34 @@ class CheckpointManager:
             dist.barrier()
         source = "store" if found is not None and found.source == "downloaded" else "local"
         return RestorePlan(step=step, tag=tag, manifest=manifest, universal=universal,
-                           source=source)
+                           source=source, read_ahead=read_ahead, excluded=exclude)
+
+    def confirm(self, plan: RestorePlan | None) -> RestorePlan | None:
+        """Collective: waits for the plan's read-ahead and accepts the plan when every rank's
+        files matched the sha256 recorded at save, with their bytes in `buffers`; otherwise
+        plans again without that step (an older local-complete one, or the store's: the same
+        fall-back a corrupt local copy always had). A plan without a read-ahead (memory, store,
+        rollback) is returned as it is."""
+        if plan is None or plan.read_ahead is None:
+            return plan
+        result = plan.read_ahead.wait()
+        if self._all_verified(plan.step, result):
+            return dataclasses.replace(plan, read_ahead=None, buffers=result.buffers)
+        return self.confirm(self.plan_restore(exclude=plan.excluded | {plan.step}))
+
+    def _all_verified(self, step: int, result: ReadResult) -> bool:
+        """Collective: every rank's read-ahead of `step` matched its recorded hashes."""
+        ok = torch.tensor([int(result.ok)], dtype=torch.long, device=self.device)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        if ok.item():
+            log.info("local_copy_verified", step=step, bytes=result.nbytes,
+                     seconds=round(result.seconds, 3),
+                     GBps=round(result.nbytes / max(result.seconds, 1e-9) / 1e9, 2))
+            return True
+        log.warning("local_complete_rejected", step=step, rank=self.me.rank,
+                    files=result.bad or None,
+                    detail="a rank's files fail their recorded sha256; planning again")
+        return False
 
     def plan_memory_rollback(self, newest: int) -> RestorePlan | None:
         """Collective: a plan that rolls back to the newest save's host copy (snapshot.py) when
@@ -246,7 +299,15 @@ class CheckpointManager:
         """DeepSpeed's `load_checkpoint` of `plan.tag`; for a "memory" plan the same call reads
         each file's state from the host copy (`serving_held`) instead of the disk."""
         engine.checkpoint_engine = self.snapshot
-        if plan.source == "memory":
+        if plan.read_ahead is not None:
+            raise CheckpointError(f"internal: the plan of step {plan.step} was not confirmed "
+                                  "(CheckpointManager.confirm) before its load")
+        if plan.buffers:
+            with self.snapshot.serving_buffers(plan.buffers):
+                path, _ = engine.load_checkpoint(str(self.local_dir), tag=plan.tag,
+                                                 load_optimizer_states=True,
+                                                 load_lr_scheduler_states=True)
+        elif plan.source == "memory":
             with self.snapshot.serving_held(plan.peers, self.device) as stand_ins:
                 path, _ = engine.load_checkpoint(stand_ins, tag=plan.tag,
                                                  load_optimizer_states=True,
@@ -276,6 +337,14 @@ class CheckpointManager:
             + (64 << 20)
         self.snapshot.reserve_pinned(nbytes)
         return nbytes
+
+    def _pin_early(self, state_bytes: int) -> None:
+        """A restore knows this rank's state size from its files: the snapshot arena is pinned
+        from now, alongside the read and the engine build, rather than after the load, where
+        page-locking ~20 GB (about 10 s on an H200) held up the first step (`prepare` then
+        finds it under way)."""
+        if self.device.type == "cuda" and state_bytes > 0:
+            self.snapshot.reserve_pinned(int(state_bytes * 1.1) + (64 << 20))
 
     def save(self, engine: Any, step: int, client_state: dict[str, Any], tokens_seen: int,
              data_position: dict[str, Any]) -> float:

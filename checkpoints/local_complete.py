@@ -126,22 +126,27 @@ def own_files_verify(local_dir: str | Path, step: int, rank: int) -> bool:
 
 
 def agree_local_step(local_dir: str | Path, rank: int, world_size: int, job_id: str | None,
-                     device: torch.device) -> tuple[int, Manifest | None]:
+                     device: torch.device, verify: bool = True,
+                     exclude: frozenset[int] = frozenset()) -> tuple[int, Manifest | None]:
     """Collective: the newest step local-complete for every rank of this group, with its
     manifest as this rank's node sees it, or (-1, None).
 
     Every rank lists the steps its node holds whole (cheap: records and sizes); the newest step
     in all lists is the candidate; every rank then hashes its own files of it, and one MIN
-    all-reduce accepts it or moves on to the next older common step."""
+    all-reduce accepts it or moves on to the next older common step. With `verify=False` the
+    candidate is returned unhashed: the caller must check the hashes while it reads the files
+    (read_ahead.py, engine_io.CheckpointManager.confirm) and exclude the step if they fail."""
     root = Path(local_dir)
-    whole = {s: m for s in _recorded_steps(root)
-             if (m := complete_here(root, s, world_size, job_id)) is not None}
+    whole = {s: m for s in _recorded_steps(root) if s not in exclude
+             and (m := complete_here(root, s, world_size, job_id)) is not None}
     lists: list[list[int] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(lists, sorted(whole))
     common = set(whole)
     for other in lists:
         common &= set(other or [])
     for step in sorted(common, reverse=True):
+        if not verify:
+            return step, whole[step]
         ok = torch.tensor([int(own_files_verify(root, step, rank))], dtype=torch.long,
                           device=device)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)

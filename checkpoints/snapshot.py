@@ -61,6 +61,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 
 from .disk_space import Shortage, is_disk_full, shortage
 from .errors import CheckpointError
+from .read_ahead import load_buffer
 
 DurableCallback = Callable[[str, list[str]], None]
 # (tag, its file paths, what did not fit, the error's text): a save abandoned for a full disk
@@ -104,6 +105,7 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         self._device_copies = False  # the last save copied from the GPU (asynchronously)
         self._held: HeldSnapshot | None = None  # the newest save's copy, while it is intact
         self._serving: _Serving | None = None  # loads read the held copy (a memory rollback)
+        self._served_files: dict[str, memoryview] = {}  # loads read these verified bytes
         self.copy_seconds = 0.0  # time of the last save's host copies (the blocked part)
         self._thread = threading.Thread(target=self._write_loop, name="ckpt-writer", daemon=True)
         self._thread.start()
@@ -132,6 +134,9 @@ class SnapshotCheckpointEngine(CheckpointEngine):
     def load(self, path: str, map_location: Any = None) -> Any:
         if self._serving is not None:
             return self._serve(self._serving, path)
+        served = self._served_files.get(os.path.normpath(os.path.abspath(path)))
+        if served is not None:
+            return load_buffer(served, map_location)
         self.wait()
         return torch.load(path, map_location=map_location, weights_only=False)
 
@@ -219,6 +224,17 @@ class SnapshotCheckpointEngine(CheckpointEngine):
                 yield stand_ins
             finally:
                 self._serving = None
+
+    @contextmanager
+    def serving_buffers(self, files: dict[str, memoryview]) -> Iterator[None]:
+        """While open, a load of one of `files` (absolute, normalised paths) is served from its
+        bytes, already read and verified (read_ahead.py), instead of reading the file again;
+        any other file is read from disk as usual."""
+        self._served_files = dict(files)
+        try:
+            yield
+        finally:
+            self._served_files = {}
 
     def arena_ready(self) -> bool:
         """No arena is being reserved any more (or none was asked for)."""

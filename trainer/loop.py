@@ -94,6 +94,13 @@ class Trainer:
         self.reporter.emit(RecordKind.HEARTBEAT, step=plan.step if plan else 0, phase="build")
         self.step_fn = TrainStep(cfg, layout, device, load_universal=bool(plan and plan.universal),
                                  parts=self.partition.boundaries)
+        # the local copy was read and hashed while the engine was built; a copy that failed
+        # its hashes gives another plan, which rarely needs the other kind of engine
+        built_universal, plan = bool(plan and plan.universal), self.ckpt.confirm(plan)
+        if plan is not None and plan.universal != built_universal:
+            del self.step_fn
+            self.step_fn = TrainStep(cfg, layout, device, load_universal=plan.universal,
+                                     parts=self.partition.boundaries)
         self.tuner = PartitionTuner(
             cfg, run_dir, self.step_fn, layout, env.rank, env.local_rank,
             self.partition.boundaries, self.reporter.emit,
@@ -249,7 +256,7 @@ class Trainer:
             # sees it
             self.ckpt.wait_uploads(timeout=600.0)
             dropped = self._drop_suspect_checkpoints(failed - suspect) if suspect > 1 else []
-            plan = self.ckpt.plan_restore()
+            plan = self.ckpt.confirm(self.ckpt.plan_restore())
         if plan is None:
             self.reporter.emit(RecordKind.FAULT, cause="no_checkpoint", step=failed,
                                detail="no committed checkpoint to roll back to; pausing")
