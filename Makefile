@@ -6,12 +6,14 @@ BIN    := $(VENV)/bin
 export DS_ACCELERATOR ?= cpu
 export DS_BUILD_OPS := 0
 
-# Tests run in two tiers. The first runs 2-wide under pytest-xdist: the unit tests (no
+# Tests run in two tiers, each 2-wide under pytest-xdist. The first: the unit tests (no
 # processes of ds3d's own) and the S3-only integration modules, which spend their time waiting
-# on object-store servers (moto, Ceph RGW, outages and retries) rather than computing; its
-# `timing` tests (wall-clock bounds) then run alone. The second runs one test at a time:
-# everything that starts training processes (torchrun, ds3dd with real workers, the drills),
-# which would time each other out on a 2-core machine. Every part always runs; `make test`
+# on object-store servers (moto, Ceph RGW, outages and retries) rather than computing. The
+# second: everything that starts training processes (ds3dd with real workers, the agent, the
+# drills), a module per xdist worker (module fixtures are shared): the workers are forked from
+# a preloaded forkserver (daemon/agent.py), so these tests mostly wait on the jobs they drive
+# (timeouts, outages, polls) and two of them share 2 cores without timing each other out.
+# The `timing` tests (wall-clock bounds) then run alone. Every part always runs; `make test`
 # fails if any fails (pytest's "no tests collected" excepted for the timing run).
 PARALLEL_TESTS := tests/unit tests/integration/test_s3_conformance.py \
 	tests/integration/test_s3_commit.py tests/integration/test_s3_rgw.py \
@@ -46,10 +48,10 @@ lint: setup
 test: warm lint
 	@status=0; \
 	$(BIN)/pytest -q -ra -n 2 -m "not timing" --durations=20 $(PARALLEL_TESTS) || status=1; \
-	$(BIN)/pytest -q -ra -m timing $(PARALLEL_TESTS); rc=$$?; \
+	$(BIN)/pytest -q -ra -n 2 --dist loadfile -m "not timing" --durations=40 \
+		$(addprefix --ignore=,$(PARALLEL_TESTS)) tests || status=1; \
+	$(BIN)/pytest -q -ra -m timing tests; rc=$$?; \
 	[ $$rc -eq 0 ] || [ $$rc -eq 5 ] || status=1; \
-	$(BIN)/pytest -q -ra --durations=40 $(addprefix --ignore=,$(PARALLEL_TESTS)) tests \
-		|| status=1; \
 	exit $$status
 
 test-fast: setup

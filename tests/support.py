@@ -42,7 +42,11 @@ def torchrun(run_dir: Path, nproc: int, config: str = "tiny", sets: list[str] | 
             "rdzv_configs": {**RDZV_CONFIGS, "is_host": True}, "max_restarts": 0,
             "worker_module": WORKER_MODULE, "worker_args": args, "log_dir": str(logs),
             "result_file": str(control / "torchrun-agent.exit"),
-            "pid_file": str(control / "torchrun-agent.pid"), "local_addr": "127.0.0.1"}
+            "pid_file": str(control / "torchrun-agent.pid"), "local_addr": "127.0.0.1",
+            # the job's own op build folder, seeded from the warm cache (as ds3dd does): a
+            # worker killed in one test while it loads an op cannot leave a lock for the others
+            "extensions_dir": str(run_dir / "torch_extensions"),
+            "warm_extensions_dir": os.environ.get("TORCH_EXTENSIONS_DIR")}
     spec_file = control / "torchrun-agent.json"
     spec_file.write_text(json.dumps(spec))
     proc = subprocess.run([sys.executable, "-m", "ds3d.daemon.agent", "--spec", str(spec_file)],

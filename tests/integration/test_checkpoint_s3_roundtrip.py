@@ -45,7 +45,7 @@ def test_rollback_to_an_older_step(tmp_path):
     sets = ["train.steps=6", "checkpoint.interval=2", "parallel.pp=2"]
     torchrun(run, 2, sets=sets)
     first = losses(run)
-    (run / "control").mkdir()
+    (run / "control").mkdir(exist_ok=True)
     (run / "control" / "restore.json").write_text(json.dumps({"step": 2, "id": 1}))
     torchrun(run, 2, sets=sets)
     loaded = [r for r in records(run, 0, "checkpoint") if r["phase"] == "loaded"]
