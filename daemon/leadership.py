@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from .procs import stop_on_signals
 
 SAFETY_MARGIN = 0.25  # of the TTL: local clock rate error and scheduling delay before acting
 
@@ -151,17 +152,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ttl", type=int, default=5, help="lease TTL in seconds (>= 2)")
     a = ap.parse_args(argv)
     host, _, port = a.endpoint.rpartition(":")
-    stop = False
-
-    def _stop(_sig: int, _frame: object) -> None:
-        nonlocal stop
-        stop = True
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
+    stop = stop_on_signals()
     client = etcd.Client(host=host, port=int(port), read_timeout=1)
     lease = LeaderLease(client, a.key, a.holder, a.ttl)
-    contend(lease, lambda rec: print(json.dumps(rec), flush=True), lambda: stop)
+    contend(lease, lambda rec: print(json.dumps(rec), flush=True), stop.is_set)
     sys.exit(0)
 
 

@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -135,3 +136,16 @@ def job_workers(run_dir: Path | str) -> dict[psutil.Process, WorkerTitle]:
                 p.info.get("status") != psutil.STATUS_ZOMBIE:
             out[p] = title
     return out
+
+
+def stop_on_signals() -> threading.Event:
+    """An event that SIGTERM or SIGINT sets: how ds3d's helper processes (the rendezvous store,
+    the leadership drill) end their loops cleanly when the daemon or a test stops them."""
+    stop = threading.Event()
+
+    def _set(_sig: int, _frame: object) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, _set)
+    signal.signal(signal.SIGINT, _set)
+    return stop

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import time
 from pathlib import Path
 
 from ds3d.trainer.errors import Ds3dError
 
-from .procs import ProcessRef, spawn_detached
+from .procs import ProcessRef, spawn_detached, stop_on_signals
 
 
 class RendezvousError(Ds3dError):
@@ -117,16 +116,9 @@ def serve(host: str, port: int, port_file: Path) -> None:
     tmp.write_text(str(store.port))
     os.replace(tmp, port_file)
     print(f"rendezvous store listening on {host}:{store.port}", flush=True)
-    stop = False
-
-    def _stop(_sig: int, _frame: object) -> None:
-        nonlocal stop
-        stop = True
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
-    while not stop:
-        time.sleep(0.5)
+    stop = stop_on_signals()
+    while not stop.wait(0.5):
+        pass
     del store
 
 
