@@ -83,13 +83,15 @@ class HangDetector:
         return max(self.min_timeout_s, self.factor * statistics.median(self._step_times[-50:]))
 
     def check(self, job: Job, obs: Observation, agent_exit: int | None) -> Fault | None:
+        # in every state: a group can report its start, train and save before the job's
+        # first RUNNING tick, and then fall silent
+        self._pids.update(r["pid"] for r in obs.records if isinstance(r.get("pid"), int))
         if job.state is not JobState.RUNNING or agent_exit is not None:
             self._since = None
             return None
         now = time.monotonic()
         if self._since is None:
             self._since = now
-        self._pids.update(r["pid"] for r in obs.records if isinstance(r.get("pid"), int))
         for rec in obs.kinds(RecordKind.STEP):
             t = rec.get("step_time_s")
             if isinstance(t, int | float) and t > 0:

@@ -241,6 +241,11 @@ def test_a_real_job_tells_skips_failed_cleanups_and_leftovers(tmp_path: Path) ->
         (tmp_path / "flipped").write_bytes(bytes(data))
         os.replace(tmp_path / "flipped", stored_file)
         (d.state_dir / "jobs" / "truth" / "ckpt" / shard).unlink()
+        # the resumed group hangs at its first step (a drill's hang, written where ds3dd writes
+        # it): it restores, skipping the corrupted step, and trains no further, so no newer
+        # commit lets retention (keep_last 1) delete the skipped step before it is listed
+        (d.state_dir / "jobs" / "truth" / "control" / "inject.json").write_text(
+            json.dumps({"id": 1, "kind": "hang", "rank": 0, "at_step": 1}))
         assert d.ctl("resume", "truth").returncode == 0
         skipped = wait("the skip event", lambda: [
             e for e in d.event_details("truth") if e["kind"] == "checkpoint"

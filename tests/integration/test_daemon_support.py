@@ -9,6 +9,7 @@ the tests swap it).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -16,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -319,6 +321,27 @@ def worker_procs(run_dir: str | Path) -> list[int]:
     return sorted(p.pid for p in job_workers(run_dir))
 
 
+@contextlib.contextmanager
+def loopback_nodes(root: Path, *args: str) -> Iterator[tuple[DaemonProc, DaemonProc]]:
+    """Two daemons as two nodes of one host, sharing a token: A (the head) on 127.0.0.2, B on
+    127.0.0.1. torch elastic ranks nodes by address, so global rank 0 lands on B and commands
+    reach rank 0 only through the head's copy of command.json to B. `args`: both daemons'."""
+    token = new_token()
+    a = DaemonProc(root / "a", token=token, node="node-a",
+                   args=["--hang-timeout", "300", "--node-addr", "127.0.0.2", *args])
+    b = DaemonProc(root / "b", token=token, node="node-b",
+                   args=["--hang-timeout", "300", "--node-addr", "127.0.0.1", *args])
+    try:
+        a.start()
+        b.start()
+        yield a, b
+    finally:
+        for d in (a, b):
+            d.stop()
+        for d in (a, b):
+            kill_job_processes(d.state_dir)
+
+
 def new_token() -> str:
     return secrets.token_urlsafe(24)
 
@@ -336,5 +359,5 @@ def tiny_job_json(**sections: dict) -> str:
     return json.dumps(data)
 
 
-__all__ = ["DaemonProc", "kill_job_processes", "new_token", "pb", "tiny_job_json",
-           "worker_procs"]
+__all__ = ["DaemonProc", "kill_job_processes", "loopback_nodes", "new_token", "pb",
+           "tiny_job_json", "worker_procs"]

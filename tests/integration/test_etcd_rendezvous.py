@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from fixtures.s3 import free_port
-from test_daemon_support import DaemonProc, kill_job_processes, new_token
+from test_daemon_support import DaemonProc, kill_job_processes, loopback_nodes, new_token
 
 pytest_plugins = ["fixtures.etcd"]
 pytestmark = [pytest.mark.slow, pytest.mark.etcd, pytest.mark.timeout(600)]
@@ -76,18 +76,8 @@ def _rendezvous_state(value: str):
 
 @pytest.fixture
 def nodes(tmp_path):
-    token = new_token()
-    a = DaemonProc(tmp_path / "a", token=token, node="node-a",
-                   args=["--hang-timeout", "300", "--node-addr", "127.0.0.2"])
-    b = DaemonProc(tmp_path / "b", token=token, node="node-b",
-                   args=["--hang-timeout", "300", "--node-addr", "127.0.0.1"])
-    a.start()
-    b.start()
-    yield a, b
-    for d in (a, b):
-        d.stop()
-    for d in (a, b):
-        kill_job_processes(d.state_dir)
+    with loopback_nodes(tmp_path) as pair:
+        yield pair
 
 
 def test_two_daemons_meet_through_etcd(etcd_server, nodes, tmp_path):

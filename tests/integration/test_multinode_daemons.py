@@ -20,7 +20,14 @@ from pathlib import Path
 import pytest
 
 from support import losses, records, torchrun
-from test_daemon_support import DaemonProc, kill_job_processes, new_token, pb, worker_procs
+from test_daemon_support import (
+    DaemonProc,
+    kill_job_processes,
+    loopback_nodes,
+    new_token,
+    pb,
+    worker_procs,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -32,23 +39,9 @@ def rank0_records(run_dir: Path, kind: str) -> list[dict]:
 
 @pytest.fixture
 def nodes(tmp_path):
-    token = new_token()
-    # torch elastic ranks nodes by address: 127.0.0.1 < 127.0.0.2 puts global rank 0 on B,
-    # so commands only reach rank 0 through the head's copy of command.json to B
-    a = DaemonProc(tmp_path / "a", token=token, node="node-a",
-                   args=["--hang-timeout", "300", "--node-addr", "127.0.0.2",
-                         "--enable-fault-injection"])
     # both accept injections: ShareControl refuses inject.json on a node without the flag
-    b = DaemonProc(tmp_path / "b", token=token, node="node-b",
-                   args=["--hang-timeout", "300", "--node-addr", "127.0.0.1",
-                         "--enable-fault-injection"])
-    a.start()
-    b.start()
-    yield a, b
-    for d in (a, b):
-        d.stop()
-    for d in (a, b):
-        kill_job_processes(d.state_dir)
+    with loopback_nodes(tmp_path, "--enable-fault-injection") as pair:
+        yield pair
 
 
 def test_two_daemons_run_one_job(nodes, tmp_path):

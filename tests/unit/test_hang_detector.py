@@ -104,3 +104,18 @@ def test_a_new_group_is_not_taken_for_the_old_one_that_reported(workers, tmp_pat
     workers.append(spawn_worker(job.run_dir))  # a new group that has not reported
     det._since = time.monotonic() - 2  # noqa: SLF001 - silent past the step timeout again
     assert det.check(job, Observation(), None) is None  # its start-up allowance
+
+
+def test_reports_seen_before_the_job_ran_count(workers, tmp_path):
+    """A forked group can start, train and save within one supervisor tick, all while the job is
+    still STARTING, and be stopped (SIGSTOP) right after its first RUNNING tick: its reports
+    from before still make it a group that reported, so its silence is a hang."""
+    job = _Job(run_dir=str(tmp_path), state=JobState.STARTING)
+    det = HangDetector(min_timeout_s=1.0, startup_s=300.0)
+    workers.append(spawn_worker(job.run_dir))
+    assert det.check(job, report_from(workers[-1]), None) is None  # STARTING: no verdict
+    job.state = JobState.RUNNING
+    assert det.check(job, Observation(), None) is None
+    time.sleep(1.2)
+    fault = det.check(job, Observation(), None)
+    assert fault is not None and "no report from any rank" in fault.message
