@@ -8,9 +8,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import pytest
 import torch
-import torch.distributed as dist
 
 from ds3d.checkpoints import layout
 from ds3d.checkpoints.identity import new_job_id
@@ -26,7 +24,6 @@ from ds3d.checkpoints.storage import open_storage
 from ds3d.checkpoints.upload import Uploader, UploadEvent, read_marker
 
 from fixtures.ckpt import meta_for, write_fake_checkpoint
-from fixtures.s3 import free_port
 
 JOB_ID = new_job_id()
 
@@ -88,16 +85,6 @@ def test_own_files_verify_catches_changed_bytes_of_the_same_size(tmp_path: Path)
     flip_byte(tmp_path / "global_step10" / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
     assert complete_here(tmp_path, 10, 2, JOB_ID) is not None  # sizes still match
     assert own_files_verify(tmp_path, 10, 0) and not own_files_verify(tmp_path, 10, 1)
-
-
-@pytest.fixture
-def one_rank_group(tmp_path: Path):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                            world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_agree_local_step_takes_the_newest_that_verifies(tmp_path: Path, one_rank_group) -> None:

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from ds3d.checkpoints import local_complete, manifest
 from ds3d.checkpoints.engine_io import CheckpointManager, Rank
@@ -20,7 +19,6 @@ from ds3d.checkpoints.read_ahead import ReadAhead, load_buffer
 from ds3d.checkpoints.settings import CheckpointSettings
 
 from fixtures.ckpt import meta_for, write_fake_checkpoint
-from fixtures.s3 import free_port
 
 
 def entry(root: Path, rel: str) -> FileEntry:
@@ -70,16 +68,6 @@ def test_load_buffer_gives_torch_load_without_copying(tmp_path: Path) -> None:
     assert torch.equal(got["opt"][0], state["opt"][0]) and got["opt"][1:] == [3, "adam"]
     base = torch.frombuffer(view, dtype=torch.uint8).data_ptr()
     assert base <= got["w"].data_ptr() < base + len(view)  # a view of the verified bytes
-
-
-@pytest.fixture
-def one_rank_group():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                            world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def manager(run_dir: Path) -> CheckpointManager:
