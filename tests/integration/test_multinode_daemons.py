@@ -165,9 +165,10 @@ def test_lost_node_job_finishes_on_the_others_with_a_reshape(tmp_path):
     in another order, so the reference takes the same path)."""
     token = new_token()
     daemons = [DaemonProc(tmp_path / n, token=token, node=f"node-{n}",
-                          args=["--hang-timeout", "120", "--node-addr", f"127.0.0.{i + 1}"])
+                          args=["--hang-timeout", "120", "--node-addr", f"127.0.0.{i + 1}",
+                                "--enable-fault-injection"])
                for i, n in enumerate("abc")]
-    steps = 100  # ~0.2 s a step: the job must outlast a node's loss and its return
+    steps = 100
     sets = ["--set", "launch.min_nodes=2", "--set", "train.micro_batch_size=1",
             "--set", "train.global_batch_size=6", "--set", "checkpoint.interval=10",
             "--set", "train.warmup_steps=2"]
@@ -196,6 +197,11 @@ def test_lost_node_job_finishes_on_the_others_with_a_reshape(tmp_path):
         short = a.wait_for("ln", lambda j: j["world_size"] == 2 and j["state"] == "RUNNING"
                            or j["state"] in ("FAILED", "COMPLETED"), "DP 2", timeout_s=300)
         assert short["state"] == "RUNNING", a.ctl("logs", "ln").stdout[-5000:]
+        # the DP 2 group must outlast node c's return, however fast its steps are: rank 0
+        # computes 0.1 s slower a micro-batch from the next step (0.3 s a step at DP 2),
+        # until the relaunch for node c replaces it
+        r = a.ctl("inject", "ln", "slow", "--rank", "0")
+        assert r.returncode == 0, r.stderr
         # node c returns: a new daemon on the same state dir and address
         c.argv[c.argv.index("--listen") + 1] = c.addr
         c.start()
