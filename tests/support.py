@@ -22,11 +22,13 @@ def worker_env(**extra: str) -> dict[str, str]:
 
 def torchrun(run_dir: Path, nproc: int, config: str = "tiny", sets: list[str] | None = None,
              extra: list[str] | None = None, timeout: float = 300,
-             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+             env: dict[str, str] | None = None,
+             max_restarts: int = 0) -> subprocess.CompletedProcess:
     """Runs one job to its end under ds3d's node agent without a daemon: `python -m
     ds3d.daemon.agent` is torch elastic's LocalElasticAgent, here with a c10d rendezvous it
     hosts itself (as torchrun --standalone), its workers forked from a forkserver that imported
-    the trainer once (a 4-rank start is a fork, not ~16 CPU-s of imports). The agent's output
+    the trainer once (a 4-rank start is a fork, not ~16 CPU-s of imports). The agent restarts
+    a failed group up to `max_restarts` times, as `torchrun --max-restarts`. The agent's output
     and every worker's stdout/stderr are gathered in RUN_DIR/torchrun.log."""
     from ds3d.daemon.launcher import RDZV_CONFIGS, WORKER_MODULE
 
@@ -39,7 +41,7 @@ def torchrun(run_dir: Path, nproc: int, config: str = "tiny", sets: list[str] | 
     spec = {"run_dir": str(run_dir), "run_id": run_dir.name, "min_nodes": 1, "max_nodes": 1,
             "nproc_per_node": nproc, "rdzv_backend": "c10d",
             "rdzv_endpoint": f"127.0.0.1:{free_port()}",
-            "rdzv_configs": {**RDZV_CONFIGS, "is_host": True}, "max_restarts": 0,
+            "rdzv_configs": {**RDZV_CONFIGS, "is_host": True}, "max_restarts": max_restarts,
             "worker_module": WORKER_MODULE, "worker_args": args, "log_dir": str(logs),
             "result_file": str(control / "torchrun-agent.exit"),
             "pid_file": str(control / "torchrun-agent.pid"), "local_addr": "127.0.0.1",
