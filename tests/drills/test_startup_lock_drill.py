@@ -1,14 +1,19 @@
-"""Start-up lock drill (issue 17 item 7): a worker killed while DeepSpeed JIT-builds its op
-must not block any later start.
+"""Start-up lock drill (issue 17 item 7): a worker killed while it JIT-builds a C++ op must not
+block any later start.
 
-The daemon's warm cache (TORCH_EXTENSIONS_DIR) is an empty folder, so the first job's worker
-has to build `deepspeed_shm_comm` (~40 s on two cores) under torch's FileBaton `lock`. The drill
-waits until a live worker holds that lock, SIGKILLs it mid-build (its compilers keep running as
-orphans, the lock stays), and starts a second job at once. The second job must train within the
-configured start-up time (its own extension folder: nothing of the first can block it), and the
-first job's restarted group must train too (its agent ended the orphans and cleared the stale
-lock). A second test checks, with a lock left by a really killed holder, that the start-up
-fault names the lock and that only locks no live process holds are cleared.
+DeepSpeed builds its ops (`deepspeed_shm_comm` at every worker's first init) with
+torch.utils.cpp_extension: a FileBaton `lock` in TORCH_EXTENSIONS_DIR/<op>/, ninja and the
+compiler working in that folder. The first test drives that same path with a smaller real op
+(one ATen source, `ds3d_drill_op`, built by a stand-in worker before it follows the worker
+contract): DeepSpeed's two-source op took ~40 s per build on two cores and the drill needs two
+builds and a half. The daemon's warm cache (TORCH_EXTENSIONS_DIR) is an empty folder, so the
+first job's worker has to build the op under the lock. The drill waits until a live worker
+holds that lock, SIGKILLs it mid-build (its compilers keep running as orphans, the lock stays),
+and starts a second job at once. The second job must train within the configured start-up time
+(its own extension folder: nothing of the first can block it), and the first job's restarted
+group must train too (its agent ended the orphans and cleared the stale lock). A second test
+checks, with a lock left by a really killed holder, that the start-up fault names the lock and
+that only locks no live process holds are cleared.
 
 Heavy: `flock /tmp/ds3d-heavy.lock .venv/bin/pytest -q tests/drills/test_startup_lock_drill.py`
 """
@@ -35,12 +40,30 @@ from ds3d.daemon.reports import Observation  # noqa: E402
 from ds3d.daemon.states import JobState  # noqa: E402
 from ds3d.trainer.config import build_job_config  # noqa: E402
 
-from test_daemon_support import DaemonProc, pb  # noqa: E402
+from test_daemon_support import FAKE_WORKER, DaemonProc, pb  # noqa: E402
 
 pytestmark = [pytest.mark.slow]
 
 START_TIMEOUT_S = 300
 OP = "deepspeed_shm_comm"
+DRILL_OP = "ds3d_drill_op"
+
+# A real op, smaller than DeepSpeed's: one source against ATen's headers (a few seconds of
+# compiling, long enough to be caught mid-build), loaded as a torch library.
+DRILL_OP_SOURCE = r'''
+#include <ATen/ATen.h>
+at::Tensor ds3d_drill_twice(const at::Tensor& x) { return x * 2; }
+'''
+
+# The stand-in worker: builds the op at start-up the way DeepSpeed's builder does (torch's JIT
+# load into TORCH_EXTENSIONS_DIR, which ds3d's agent points at the job's own folder), then
+# follows the worker contract (tests/integration/test_daemon_support.FAKE_WORKER).
+BUILD_WORKER = r'''
+import os
+from torch.utils.cpp_extension import load
+load(name=os.environ["DS3D_DRILL_OP"], sources=[os.environ["DS3D_DRILL_OP_SOURCE"]],
+     is_python_module=False)
+''' + FAKE_WORKER
 
 
 def start_job(d: DaemonProc, name: str) -> None:
@@ -70,12 +93,21 @@ def held_lock(ext_dir: Path, timeout_s: float) -> tuple[Path, int]:
 def test_worker_killed_during_the_op_build_blocks_no_later_start(tmp_path):
     cold = tmp_path / "empty-extension-cache"
     cold.mkdir()
-    with DaemonProc(tmp_path / "state", extra_env={"TORCH_EXTENSIONS_DIR": str(cold)},
-                    args=["--start-timeout", str(START_TIMEOUT_S), "--hang-timeout", "300"]) as d:
+    workers = tmp_path / "workers"
+    workers.mkdir()
+    (workers / "ds3d_build_worker.py").write_text(BUILD_WORKER)
+    source = tmp_path / f"{DRILL_OP}.cpp"
+    source.write_text(DRILL_OP_SOURCE)
+    env = {"TORCH_EXTENSIONS_DIR": str(cold), "DS3D_DRILL_OP": DRILL_OP,
+           "DS3D_DRILL_OP_SOURCE": str(source),
+           "PYTHONPATH": f"{workers}:{os.environ.get('PYTHONPATH', '')}"}
+    with DaemonProc(tmp_path / "state", extra_env=env,
+                    args=["--start-timeout", str(START_TIMEOUT_S), "--hang-timeout", "300",
+                          "--worker-module", "ds3d_build_worker"]) as d:
         start_job(d, "first")
         first_dir = Path(d.wait_for("first", lambda j: j["run_dir"], "a run dir")["run_dir"])
         lock, pid = held_lock(first_dir / "torch_extensions", timeout_s=240)
-        assert lock == first_dir / "torch_extensions" / OP / "lock"
+        assert lock == first_dir / "torch_extensions" / DRILL_OP / "lock"
         os.kill(pid, signal.SIGKILL)  # mid-build: the lock stays, its compilers run on
         killed_at = time.monotonic()
 
@@ -83,7 +115,7 @@ def test_worker_killed_during_the_op_build_blocks_no_later_start(tmp_path):
         second = d.wait_state("second", "COMPLETED", "FAILED", timeout_s=START_TIMEOUT_S + 120)
         assert second["state"] == "COMPLETED", d.ctl("logs", "second").stdout[-4000:]
         second_dir = Path(second["run_dir"])
-        assert (second_dir / "torch_extensions" / OP / f"{OP}.so").is_file()
+        assert (second_dir / "torch_extensions" / DRILL_OP / f"{DRILL_OP}.so").is_file()
         # it trained within the configured start-up time, and no start-up fault was needed
         started = [e for e in d.event_details("second") if e["kind"] == "start"]
         assert started, d.event_details("second")
