@@ -3,7 +3,8 @@ a real S3 server (moto_server) made slow, and a real `kill -9` of a worker.
 
 The store's bandwidth is capped so each checkpoint takes seconds to become durable while the
 trainer saves every 5 steps: once one step is committed, newer saves are local-complete (every
-rank's files hashed on local disk) but not yet in the store. Rank 0 is then killed.
+rank's files hashed on local disk) but not yet in the store. Rank 0 is then killed. The restart
+runs at full bandwidth: the cap only has to open that window.
 
 1. Crash before the durable commit: the restarted group resumes from the newest step that is
    local-complete on every rank, newer than anything durable, and that step is still uploaded
@@ -117,7 +118,8 @@ def test_crash_before_the_durable_commit_restarts_from_the_local_copy(
     client = moto_server.client()
     durable, local = crash_after_local_complete(run, store, env, client, s3_bucket)
 
-    torchrun(run, 2, sets=SETS + [store], env=env, timeout=300)
+    # the restart at full bandwidth: the slow store only had to open the crash window
+    torchrun(run, 2, sets=SETS + [store], env=moto_server.env(), timeout=300)
     starts, restoring = restart_records(run)
     assert starts == [0, local], starts  # at most one interval lost, not everything since 5
     assert restoring[-1]["step"] == local and restoring[-1]["durable"] is False
@@ -143,7 +145,7 @@ def test_a_lost_local_copy_falls_back_to_the_newest_durable(
             wiped += 1
     assert wiped and not local_complete_steps(run)
 
-    torchrun(run, 2, sets=SETS + [store], env=env, timeout=300)
+    torchrun(run, 2, sets=SETS + [store], env=moto_server.env(), timeout=300)  # full bandwidth
     starts, restoring = restart_records(run)
     assert starts == [0, durable], starts
     assert restoring[-1]["step"] == durable and restoring[-1]["durable"] is True
@@ -168,10 +170,9 @@ def test_node_local_disks_restore_only_what_every_node_holds(
         run.mkdir()
         write_local_job_id(run, job_id)  # as ds3dd gives every node's job directory
     store = f'checkpoint.store="s3://{s3_bucket}/{PREFIX}"'
-    env = worker_env(**moto_server.env(), **SLOW)
     client = moto_server.client()
 
-    def launch() -> list[subprocess.Popen[bytes]]:
+    def launch(env: dict[str, str]) -> list[subprocess.Popen[bytes]]:
         port = free_port()
         procs = []
         for i, run in enumerate(runs):
@@ -186,7 +187,7 @@ def test_node_local_disks_restore_only_what_every_node_holds(
                                               stderr=subprocess.STDOUT))
         return procs
 
-    procs = launch()
+    procs = launch(worker_env(**moto_server.env(), **SLOW))
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
@@ -211,7 +212,7 @@ def test_node_local_disks_restore_only_what_every_node_holds(
     assert max(saved_on_both) > durable
     assert not local_complete_steps(runs[1])  # node 1 never holds rank 0's files
 
-    procs = launch()
+    procs = launch(worker_env(**moto_server.env()))  # full bandwidth from here on
     assert [p.wait(300) for p in procs] == [0, 0]
     starts = [r["step"] for r in records(runs[0], 0, "start")]
     assert starts == [0, durable], starts
