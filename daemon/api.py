@@ -146,8 +146,10 @@ class ControlServicer(pb_grpc.ControlServicer):
     def _head(self, name: str) -> str | None:
         """The head daemon's address when `name` is not headed here but this node runs (or
         ran) a share of it; None to answer locally."""
-        if self.peers is None or not name or self.service.has(name):
+        if self.peers is None or not name:
             return None
+        if self.service.has(name):  # led here, unless another daemon took it over (etcd mode)
+            return self.service.get(name).leader or None
         return self.shares.head_address(_name(name))
 
     def _forwarded(self, method: str, request: Any, answer: type[R]) -> R | None:

@@ -12,8 +12,8 @@ two holders acting at once, whatever the network does.
 * fencing token: the key's createdIndex, constant while one holder renews and larger for every
   later holder, so a store that remembers the highest token it saw can refuse a deposed writer.
 
-Not wired into the supervisor yet (issue 23, leadership): this is the primitive and its test.
-Run one contender as `python -m ds3d.daemon.leadership --endpoint H:P --key K --holder NAME`:
+Used by daemon/job_leadership.py (who supervises an etcd-mode job). Run one contender as
+`python -m ds3d.daemon.leadership --endpoint H:P --key K --holder NAME`:
 it prints one JSON line per change of role.
 """
 

@@ -219,6 +219,7 @@ class Shares:
         self.launcher = launcher
         self.enable_fault_injection = enable_fault_injection
         self._agents: dict[str, AgentHandle] = {}
+        self._run_ids: dict[str, str] = {}  # job -> run id of the attempt last started here
         self._lock = threading.Lock()
 
     def start(self, req: pb.StartShareRequest) -> AgentHandle:
@@ -241,8 +242,33 @@ class Shares:
             handle = self.launcher.start(jobdir.path, cfg, req.attempt, req.rdzv_endpoint,
                                          req.run_id)
             self._agents[cfg.name] = handle
+            self._run_ids[cfg.name] = req.run_id
         log.info("share started", job=cfg.name, head=req.head_node, pid=handle.ref.pid)
         return handle
+
+    def started(self) -> list[tuple[JobConfig, str]]:
+        """The jobs this daemon started a share of, with the run id of the newest attempt."""
+        with self._lock:
+            run_ids = dict(self._run_ids)
+        out = []
+        for name, run_id in sorted(run_ids.items()):
+            jobdir = self._jobdir(name)
+            if jobdir is None:
+                continue
+            try:
+                out.append((JobConfig.model_validate_json(jobdir.job_json.read_text()), run_id))
+            except ValueError:
+                continue
+        return out
+
+    def stop_and_wait(self, name: str, timeout_s: float = 30.0) -> None:
+        """Ends this node's share of `name` and its workers (a successor leader relaunches)."""
+        with self._lock:
+            handle = self._agents.get(name)
+            self._run_ids.pop(name, None)
+        if handle is not None and handle.poll() is None:
+            handle.ref.terminate(grace_s=min(timeout_s, 5.0))
+        kill_strays(JobDir(self.root, name).path)
 
     def _jobdir(self, name: str) -> JobDir | None:
         jobdir = JobDir(self.root, name)

@@ -11,6 +11,7 @@ import errno
 import fcntl
 import os
 import socket
+import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ from .reflection_v1 import enable_reflection_v1
 from .service import JobService, stored_config_problem
 from .store import Store
 from .supervisor import SupervisorContext, Supervisors
+from .takeover import Standby
 
 log = get_logger("ds3d.daemon")
 
@@ -178,7 +180,12 @@ class Daemon:
             health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)
         if self.opts.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.opts.metrics_port)
+        self.supervisors.ctx.address = self.address  # an etcd-mode job's leader is named so
         self.supervisors.resume_all()
+        standby = Standby(self.store, self.shares, self.supervisors.ctx.jobs_root,
+                          self.opts.node, self.supervisors.adopt, lambda: self.address)
+        threading.Thread(target=standby.run, args=(self.supervisors.stopping,),
+                         name="standby", daemon=True).start()
         addr_file = self.opts.state_dir / "ds3dd.addr"
         tmp = addr_file.with_suffix(".tmp")
         tmp.write_text(self.address)

@@ -65,7 +65,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     rollback_step INTEGER NOT NULL DEFAULT -1,
     done_reason TEXT NOT NULL DEFAULT '',
     next_launch_at REAL NOT NULL DEFAULT 0,
-    job_id TEXT NOT NULL DEFAULT ''
+    job_id TEXT NOT NULL DEFAULT '',
+    leader TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS transitions (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -114,6 +115,7 @@ CREATE TABLE IF NOT EXISTS checkpoints (
 _ADDED_COLUMNS = (
     ("jobs", "job_id", "TEXT NOT NULL DEFAULT ''"),           # unique id (checkpoints/identity)
     ("checkpoints", "detail", "TEXT NOT NULL DEFAULT ''"),    # why skipped/corrupt/failed/...
+    ("jobs", "leader", "TEXT NOT NULL DEFAULT ''"),           # etcd mode: who leads it now
 )
 
 # Checkpoint index phases (docs/architecture.md): what the workers reported or the store showed.
@@ -135,7 +137,7 @@ _MUTABLE = {
     "desired_state", "message", "step", "loss", "tokens_per_s", "step_time_s", "world_size",
     "restarts", "attempt", "last_ckpt_step", "agent_pid", "agent_started", "rdzv_pid",
     "rdzv_started", "rdzv_port", "command_id", "command_action", "command_acked",
-    "rollback_step", "done_reason", "next_launch_at",
+    "rollback_step", "done_reason", "next_launch_at", "leader", "config_json",
 }
 
 
@@ -172,6 +174,9 @@ class Job:
     done_reason: str
     next_launch_at: float
     job_id: str = ""  # unique id, in its store prefix and manifests (checkpoints/identity.py)
+    # etcd mode (daemon/job_leadership.py): the address of the daemon that leads the job now
+    # when it is not this one ("" while this daemon leads it)
+    leader: str = ""
 
     @classmethod
     def from_row(cls, row: sqlite3.Row) -> Job:
@@ -381,6 +386,19 @@ class Store:
                                     "detail_json": json.dumps(detail),
                                     **{k: v for k, v in event_fields.items() if k != "step"}})
         return self.get_job(name)
+
+    def import_events(self, name: str, events: Iterable[dict[str, Any]]) -> int:
+        """Events another daemon recorded (a job taken over from its lost leader, whose events
+        came through etcd), stored in their order before this daemon's own; returns how many."""
+        n = 0
+        with self._tx() as db:
+            self._job_locked(db, name)
+            for ev in events:
+                row = {c: ev[c] for c in _EVENT_COLS if c in ev and c not in ("job",
+                                                                               "detail_json")}
+                self._insert_event(db, {**row, "job": name, "detail": ev.get("detail", {})})
+                n += 1
+        return n
 
     def update(self, name: str, **fields: Any) -> Job:
         """Column updates without an event (process bookkeeping the user need not see)."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ from .disk import DiskWatch
 from .failure_history import FailureHistory
 from .incidents import Incident, IncidentClock
 from .job_detectors import DetectorFactory
+from .job_leadership import FailoverClient, JobRecord, Leadership, job_key
 from .job_metrics import JobMetrics
 from .jobdir import JobDir
 from .launcher import AgentHandle, Launcher, kill_strays
@@ -77,6 +78,9 @@ class SupervisorContext:
     interval_s: float = 0.5
     stop_now_grace_s: float = 5.0
     peer_finish_timeout_s: float = 120.0
+    address: str = ""  # this daemon's gRPC address (its name as an etcd-mode job's leader)
+    # etcd-mode jobs taken over by this daemon: the lease it already holds, by job name
+    leaderships: dict[str, Leadership] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -123,6 +127,9 @@ class JobSupervisor:
         self.index.request("the daemon started supervising the job")
         self.failures = FailureHistory(ctx.store, name)
         self._world = job.world_size  # processes of the running group; 0 before the first start
+        adopted = ctx.leaderships.pop(name, None)  # taken over: the record is its predecessor's
+        self.leadership = adopted or self._new_leadership(job)
+        self._checked_term = adopted.lease.term.token if adopted and adopted.lease.term else 0
         if job.agent_pid:
             self.agent = Launcher.attach(self.jobdir.path, job.attempt, job.agent_pid,
                                          job.agent_started)
@@ -146,7 +153,9 @@ class JobSupervisor:
             self.wake.clear()
 
     def tick(self) -> bool:
-        """One pass; True once the job is terminal and cleaned up."""
+        """One pass; True once the job is terminal and cleaned up, or led by another daemon."""
+        if self.leadership is not None and not self._lead():
+            return self.store.get_job(self.name).leader != ""
         agent_exit = self.agent.poll() if self.agent is not None else None
         self.disk.tick(self.store.get_job(self.name))
         self.nodes.pull_reports(self.store.get_job(self.name))
@@ -166,13 +175,66 @@ class JobSupervisor:
         job = self.store.get_job(self.name)
         self._welcome_back(job)
         self.exported.export(job, obs)
+        if self.leadership is not None and \
+                not self.leadership.publish(job, self.store, force=job.state in TERMINAL):
+            self._step_down(self.leadership.holder_now() or self.leadership.deposed_by)
+            return True
         if job.state.live:  # checkpoint.interval = "auto" needs the failure rate
             self.failures.publish(
                 lambda file, text: self.nodes.forward_control(file, text, local=True))
         if job.state in TERMINAL:
             self._cleanup(job)
+            if self.leadership is not None:
+                self.leadership.release()  # after the record says terminal: nobody takes over
             return True
         return False
+
+    # ---- leadership of an etcd-mode job (daemon/job_leadership.py) -------------------------
+
+    def _new_leadership(self, job: Job) -> Leadership | None:
+        """The lease this daemon must hold to supervise the job: multi-node jobs whose
+        rendezvous is in etcd only (the default c10d mode has one fixed head)."""
+        cfg = self._config(job)
+        if cfg.launch.nnodes <= 1 or not cfg.launch.etcd_endpoints or not job.job_id:
+            return None
+        return Leadership(FailoverClient(cfg.launch.etcd_endpoints),
+                          job_key(job.name, job.job_id), self.ctx.address or self.ctx.node)
+
+    def _lead(self) -> bool:
+        """True while this daemon holds the job's lease. Otherwise it does nothing for the job:
+        when another daemon holds the lease it steps down for good; when nobody can be seen
+        holding it (etcd unreachable) it waits, its workers left as they are."""
+        assert self.leadership is not None
+        if self.leadership.hold():
+            term = self.leadership.lease.term
+            if term is None or term.token == self._checked_term:
+                return True
+            # a term won here without a takeover (the job's start, or this daemon restarted):
+            # if another daemon led the job since, this daemon's own state of it is stale
+            self._checked_term = term.token
+            record = self.leadership.record()
+            if record is None or record.leader == self.leadership.holder:
+                return True
+            self._step_down(record.leader)
+            return False
+        holder = self.leadership.holder_now()
+        if holder and holder != self.leadership.holder:
+            self._step_down(holder)
+        return False
+
+    def _step_down(self, holder: str) -> None:
+        """Another daemon leads the job: this one ends its own agent and workers (the new
+        leader relaunched the job without them; they would only hold up its group) and from
+        now on forwards the job's calls to `holder`."""
+        self._kill_agent(now=True)
+        if self.leadership is not None:
+            self.leadership.release()
+        if self.store.get_job(self.name).leader != holder:
+            self.store.record(self.name, EventKind.STATE, f"{holder or 'another daemon'} leads "
+                              f"the job now (this daemon's lease ran out); it follows",
+                              cause="leader_lost", leader=holder, agent_pid=0,
+                              agent_started=0)
+        self.log.warning("following", leader=holder)
 
     # ---- decide + act: one handler per (state, requested state), see daemon/decisions.py ----
 
@@ -620,6 +682,20 @@ class Supervisors:
                                  daemon=True)
             self._sups[name], self._threads[name] = sup, t
             t.start()
+
+    def adopt(self, name: str, leadership: Leadership, record: JobRecord,
+              noticed: float) -> None:
+        """Supervises a job taken over from its lost leader (daemon/takeover.py), under the
+        lease already won; its recovery is timed from the old leader's last step."""
+        self.ctx.leaderships[name] = leadership
+        with self._lock:
+            self._sups.pop(name, None)
+        self.ensure(name)
+        sup = self._sups.get(name)
+        if sup is not None:
+            sup.incidents.last_step, sup.incidents.last_step_time = record.step, record.step_at
+            sup.incidents.fault("leader_lost", noticed)
+            sup.wake.set()
 
     def forward_control(self, name: str, file: str, text: str) -> None:
         """Copies a control file the service wrote on this (head) node to the job's other

@@ -17,6 +17,11 @@ import time
 
 import pytest
 
+from ds3d.daemon.job_leadership import JobRecord, Leadership, job_key, job_key_of_run_id
+from ds3d.daemon.rendezvous import rendezvous_run_id
+from ds3d.daemon.states import JobState
+from ds3d.daemon.store import Store
+
 pytest_plugins = ["fixtures.etcd"]
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(120)]
 
@@ -117,3 +122,39 @@ def test_one_leader_at_a_time_and_takeover_after_the_leader_freezes(etcd_server)
              (i == 0 or h != holders_seen[i - 1])]
     named = [h for i, h in enumerate(named) if i == 0 or h != named[i - 1]]
     assert named == [old.holder, new.holder], holders_seen
+
+
+def test_a_deposed_leaders_record_write_is_refused_by_etcd(etcd_server, tmp_path):
+    """The job record's fencing (daemon/job_leadership.py): a leader whose lease ran out while
+    it was frozen still believes it leads (its clock stood still: the worst case), but once a
+    successor has written the record, etcd refuses the old leader's compare-and-swap; the old
+    leader learns who deposed it and stops. The record's key is the run ids' prefix."""
+    job_id = "0123456789abcdef" * 2
+    key = job_key("fo-a1", job_id)  # a name that itself looks like a run id's tail
+    assert job_key_of_run_id(rendezvous_run_id("fo-a1", 7, job_id, etcd=True)) == key
+
+    store = Store(tmp_path / "ds3d.db")
+    store.create_job("fo-a1", "{}", "node-a", str(tmp_path), job_id=job_id)
+    job = store.get_job("fo-a1")
+    frozen = [time.monotonic()]
+    old = Leadership(etcd_server.client(), key, "node-a", ttl_s=2, clock=lambda: frozen[0])
+    assert old.hold() and old.publish(job, store)
+    old._stop_renewing.set()  # frozen: no more renewals; its own clock stands still
+    new = Leadership(etcd_server.client(), key, "node-b", ttl_s=2)
+    deadline = time.monotonic() + 10
+    while not new.hold():
+        assert time.monotonic() < deadline, "the lease never expired"
+        time.sleep(0.2)
+    assert new.lease.term is not None and old.lease.term is not None
+    assert new.lease.term.token > old.lease.term.token
+    assert old.lease.is_leader()  # by its own stopped clock it still leads...
+    assert new.publish(store.update("fo-a1", restarts=1), store)
+    # ... but its write is refused by etcd, and it knows by whom
+    assert not old.publish(store.update("fo-a1", restarts=2), store, force=True)
+    assert old.deposed_by == "node-b" and old.lease.term is None
+    record = JobRecord.parse(etcd_server.client().read(f"{key}/record").value)
+    assert (record.leader, record.restarts, record.token) == \
+        ("node-b", 1, new.lease.term.token)
+    assert record.state == JobState.PENDING.name and record.live
+    new.release()
+    store.close()
