@@ -197,16 +197,22 @@ class DaemonProc:
         machine from the job under test (the CLI itself is driven by `ctl`)."""
         from ds3d.daemon.cli import job_dict
 
+        try:
+            job = self._polling_stub().GetJob(pb.JobRef(name=name), metadata=self.md(),
+                                              timeout=30).job
+        except grpc.RpcError as e:
+            raise AssertionError(f"GetJob {name}: {e.code()}: {e.details()}") from None
+        return job_dict(job)
+
+    def _polling_stub(self) -> pb_grpc.ControlStub:
+        """One channel to the daemon for the in-process polls (job, events), renewed when the
+        daemon restarted on another address."""
         if self._channel is None or self._channel[0] != self.addr:
             if self._channel is not None:
                 self._channel[1].close()
             channel = grpc.insecure_channel(self.addr)
             self._channel = (self.addr, channel, pb_grpc.ControlStub(channel))
-        try:
-            job = self._channel[2].GetJob(pb.JobRef(name=name), metadata=self.md(), timeout=30).job
-        except grpc.RpcError as e:
-            raise AssertionError(f"GetJob {name}: {e.code()}: {e.details()}") from None
-        return job_dict(job)
+        return self._channel[2]
 
     def wait_state(self, name: str, *states: str, timeout_s: float = 120.0) -> dict:
         deadline = time.monotonic() + timeout_s
@@ -258,9 +264,17 @@ class DaemonProc:
         return "".join(out)
 
     def events(self, name: str) -> list[dict]:
-        r = self.ctl("events", name, "--json")
-        assert r.returncode == 0, r.stderr
-        return [json.loads(line) for line in r.stdout.splitlines()]
+        """The job's events as `ds3dctl events NAME --json` prints them (the CLI's own
+        event_json), asked in-process: waits poll this too, and a ds3dctl process per poll
+        (~0.3 CPU-s) competes with the job under test (the CLI itself is driven by `ctl`)."""
+        from ds3d.daemon.cli import event_json
+
+        try:
+            return [event_json(e) for e in self._polling_stub().WatchEvents(
+                pb.WatchEventsRequest(name=name, follow=False, step_every=1), metadata=self.md(),
+                timeout=30)]
+        except grpc.RpcError as e:
+            raise AssertionError(f"WatchEvents {name}: {e.code()}: {e.details()}") from None
 
     def event_details(self, name: str) -> list[dict]:
         """Events with their detail (`ds3dctl events --json` leaves it out): for an event made
