@@ -279,7 +279,7 @@ class ControlServicer(pb_grpc.ControlServicer):
     def ShareControl(self, request: pb.ShareControlRequest,
                      context: grpc.ServicerContext) -> pb.ShareControlResponse:
         return pb.ShareControlResponse(present=self.shares.control(
-            _name(request.name), request.file, request.text))
+            _name(request.name), request.file, request.text, request.leader_token))
 
     def PullReports(self, request: pb.PullReportsRequest,
                     context: grpc.ServicerContext) -> pb.PullReportsResponse:
@@ -302,8 +302,8 @@ class ControlServicer(pb_grpc.ControlServicer):
 
     def StopShare(self, request: pb.StopShareRequest,
                   context: grpc.ServicerContext) -> pb.StopShareResponse:
-        return pb.StopShareResponse(was_running=self.shares.stop(_name(request.name),
-                                                                 request.now))
+        return pb.StopShareResponse(was_running=self.shares.stop(
+            _name(request.name), request.now, request.leader_token))
 
     def NodeStatus(self, request: pb.NodeStatusRequest,
                    context: grpc.ServicerContext) -> pb.NodeStatusResponse:

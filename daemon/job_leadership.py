@@ -169,6 +169,7 @@ class Leadership:
         self._events: list[dict[str, Any]] = []
         self._event_seq = 0
         self.deposed_by = ""  # the leader whose record write refused ours
+        self._last_token = 0
 
     def hold(self) -> bool:
         """Takes the lease if this daemon holds no term; True while it may act for the job.
@@ -177,8 +178,9 @@ class Leadership:
         cannot let the lease lapse under a live leader."""
         with self._lock:
             if not self.lease.is_leader() and self.lease.acquire():
-                log.info("leader", key=self.key, token=self.lease.term.token
-                         if self.lease.term else None)
+                assert self.lease.term is not None
+                self._last_token = self.lease.term.token
+                log.info("leader", key=self.key, token=self._last_token)
                 if self._renewer is None or not self._renewer.is_alive():
                     self._stop_renewing.clear()
                     self._renewer = threading.Thread(target=self._renew, daemon=True,
@@ -191,6 +193,12 @@ class Leadership:
             with self._lock:
                 if self.lease.term is not None:
                     self.lease.renew()
+
+    def token(self) -> int:
+        """The fencing token of the newest term this daemon held (0: none yet), carried by its
+        calls to the other nodes, which refuse a token lower than one they saw: kept after the
+        term ran out, so that a late call of a deposed leader is refused, not unfenced."""
+        return self._last_token
 
     def holder_now(self) -> str:
         """Who holds the lease by etcd's record ("" when nobody does or etcd cannot say)."""

@@ -48,6 +48,9 @@ class JobNodes:
         self._unsent: dict[tuple[str, str], str] = {}  # (node address, file) -> text to copy
         self._backoff: dict[str, float] = {}           # node address -> monotonic retry time
         self._wait_since: float | None = None
+        # etcd mode: the lease token every write to another node carries, so that a node which
+        # saw a newer leader's token refuses a deposed leader's late call (0: c10d mode)
+        self.leader_token: Callable[[], int] = lambda: 0
 
     def addresses(self, job: Job | None = None) -> list[str]:
         cfg = self.config(job or self.store.get_job(self.name))
@@ -70,7 +73,8 @@ class JobNodes:
         if cfg.launch.nnodes <= 1 or self.peers is None:
             return
         req = pb.StartShareRequest(config_json=cfg.dump_json(), head_node=self.head_node,
-                                   rdzv_endpoint=endpoint, run_id=run_id, attempt=attempt)
+                                   rdzv_endpoint=endpoint, run_id=run_id, attempt=attempt,
+                                   leader_token=self.leader_token())
         missing: list[str] = []
         for address in cfg.launch.hosts[1:]:
             try:
@@ -97,7 +101,8 @@ class JobNodes:
         """The job ended: no share of it may keep running on another node."""
         if cfg.launch.nnodes > 1 and self.peers is not None:
             for address in cfg.launch.hosts[1:]:
-                self.peers.stop_share(address, self.name, now=True)
+                self.peers.stop_share(address, self.name, now=True,
+                                      leader_token=self.leader_token())
 
     def forward_control(self, file: str, text: str, local: bool = False) -> None:
         """Copies a control file (text "" removes it; `local` also here) to every other node
@@ -114,7 +119,8 @@ class JobNodes:
             if time.monotonic() < self._backoff.get(address, 0.0):
                 continue
             try:
-                self.peers.share_control(address, self.name, file, text)  # type: ignore[union-attr]
+                self.peers.share_control(  # type: ignore[union-attr]
+                    address, self.name, file, text, leader_token=self.leader_token())
             except PeerError as e:
                 self._backoff[address] = time.monotonic() + BACKOFF_S
                 self.log.warning("control file not delivered", node=address, file=file,

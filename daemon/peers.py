@@ -108,11 +108,14 @@ class PeerClient:
         finally:
             channel.close()
 
-    def share_control(self, address: str, name: str, file: str, text: str) -> bool:
+    def share_control(self, address: str, name: str, file: str, text: str,
+                      leader_token: int = 0) -> bool:
         channel, stub = self._stub(address)
         try:
-            return bool(stub.ShareControl(pb.ShareControlRequest(name=name, file=file, text=text),
-                                          timeout=self.timeout_s, metadata=self._md()).present)
+            req = pb.ShareControlRequest(name=name, file=file, text=text,
+                                         leader_token=leader_token)
+            return bool(stub.ShareControl(req, timeout=self.timeout_s,
+                                          metadata=self._md()).present)
         except grpc.RpcError as e:
             raise PeerError(f"node {address}: ShareControl failed: {e.code().name}: "
                             f"{e.details()}") from None
@@ -152,10 +155,11 @@ class PeerClient:
         finally:
             channel.close()
 
-    def stop_share(self, address: str, name: str, now: bool) -> bool:
+    def stop_share(self, address: str, name: str, now: bool, leader_token: int = 0) -> bool:
         channel, stub = self._stub(address)
         try:
-            return bool(stub.StopShare(pb.StopShareRequest(name=name, now=now),
+            return bool(stub.StopShare(pb.StopShareRequest(name=name, now=now,
+                                                           leader_token=leader_token),
                                        timeout=self.timeout_s, metadata=self._md()).was_running)
         except grpc.RpcError as e:
             log.warning("StopShare failed", peer=address, job=name, code=e.code().name)
@@ -220,6 +224,8 @@ class Shares:
         self.enable_fault_injection = enable_fault_injection
         self._agents: dict[str, AgentHandle] = {}
         self._run_ids: dict[str, str] = {}  # job -> run id of the attempt last started here
+        # job -> (its run ids' prefix, the highest leader token seen): etcd mode's fencing
+        self._tokens: dict[str, tuple[str, int]] = {}
         self._lock = threading.Lock()
 
     def start(self, req: pb.StartShareRequest) -> AgentHandle:
@@ -231,6 +237,8 @@ class Shares:
             raise ConfigError("StartShare needs rdzv_endpoint and run_id")
         jobdir = JobDir(self.root, cfg.name)
         with self._lock:
+            self._fence(cfg.name, req.leader_token, "StartShare",
+                        run_id_prefix=req.run_id.rpartition("-a")[0])
             old = self._agents.get(cfg.name)
             if old is not None and old.poll() is None:
                 old.ref.terminate()
@@ -245,6 +253,20 @@ class Shares:
             self._run_ids[cfg.name] = req.run_id
         log.info("share started", job=cfg.name, head=req.head_node, pid=handle.ref.pid)
         return handle
+
+    def _fence(self, name: str, token: int, what: str, run_id_prefix: str = "") -> None:
+        """Refuses a request of a deposed leader: one whose lease token is lower than a token
+        this node already saw for the job (etcd mode; token 0: c10d mode, one fixed head). A
+        StartShare of another job of the same name (another run id prefix) starts afresh.
+        Called under the lock, so a request and its token are one step."""
+        seen_prefix, newest = self._tokens.get(name, ("", 0))
+        if run_id_prefix and run_id_prefix != seen_prefix:
+            seen_prefix, newest = run_id_prefix, 0
+        if token and token < newest:
+            raise StateError(f"{what} for job {name!r} refused: it comes from a deposed leader "
+                             f"(lease token {token}); the job's leader now holds token "
+                             f"{newest}")
+        self._tokens[name] = (seen_prefix, max(token, newest))
 
     def started(self) -> list[tuple[JobConfig, str]]:
         """The jobs this daemon started a share of, with the run id of the newest attempt."""
@@ -288,8 +310,10 @@ class Shares:
     def names(self) -> list[str]:
         return sorted(p.parent.name for p in self.root.glob("*/job.json"))
 
-    def control(self, name: str, file: str, text: str) -> bool:
+    def control(self, name: str, file: str, text: str, leader_token: int = 0) -> bool:
         """Writes a control file the head sent; False if this node has no share of `name`."""
+        with self._lock:
+            self._fence(name, leader_token, "ShareControl")
         if file == INJECT_FILE and text and not self.enable_fault_injection:
             raise StateError("fault injection is disabled on this node; restart its ds3dd with "
                              "--enable-fault-injection to allow it (drills only)")
@@ -320,8 +344,9 @@ class Shares:
                 budget -= len(data)
         return chunks
 
-    def stop(self, name: str, now: bool) -> bool:
+    def stop(self, name: str, now: bool, leader_token: int = 0) -> bool:
         with self._lock:
+            self._fence(name, leader_token, "StopShare")
             handle = self._agents.get(name)  # kept: NodeStatus reports how it ended
         if handle is None or handle.poll() is not None:
             return False

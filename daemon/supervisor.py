@@ -130,6 +130,8 @@ class JobSupervisor:
         adopted = ctx.leaderships.pop(name, None)  # taken over: the record is its predecessor's
         self.leadership = adopted or self._new_leadership(job)
         self._checked_term = adopted.lease.term.token if adopted and adopted.lease.term else 0
+        if self.leadership is not None:
+            self.nodes.leader_token = self.leadership.token
         if job.agent_pid:
             self.agent = Launcher.attach(self.jobdir.path, job.attempt, job.agent_pid,
                                          job.agent_started)
