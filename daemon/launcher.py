@@ -157,11 +157,13 @@ def kill_strays(run_dir: Path, grace_s: float = 5.0) -> list[int]:
     A worker outlives a SIGKILLed agent until its forkserver notices (and a worker that ignores
     the SIGINT it then gets lives on, still writing reports, still holding memory). Before a
     relaunch the daemon finds them by their process title (procs.WorkerTitle) and ends them:
-    SIGTERM, then SIGKILL after `grace_s`. Returns the pids it signalled."""
+    SIGTERM (and SIGCONT: a stopped worker would sit out the whole grace before it could act
+    on it), then SIGKILL after `grace_s`. Returns the pids it signalled."""
     strays = list(job_workers(run_dir))
     for p in strays:
         try:
             p.terminate()
+            p.resume()
         except psutil.NoSuchProcess:
             pass
     _gone, alive = psutil.wait_procs(strays, timeout=grace_s)

@@ -283,6 +283,11 @@ class Shares:
                 continue
         return out
 
+    def forget(self, name: str) -> None:
+        """No more watching of `name` (daemon/takeover.py) until its next StartShare."""
+        with self._lock:
+            self._run_ids.pop(name, None)
+
     def stop_and_wait(self, name: str, timeout_s: float = 30.0) -> None:
         """Ends this node's share of `name` and its workers (a successor leader relaunches)."""
         with self._lock:

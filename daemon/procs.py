@@ -67,9 +67,12 @@ class ProcessRef:
             return False
 
     def terminate(self, grace_s: float = 10.0) -> None:
-        """SIGTERM to the group, then SIGKILL after `grace_s`; returns when it is gone."""
+        """SIGTERM to the group, then SIGKILL after `grace_s`; returns when it is gone. A
+        SIGCONT follows the SIGTERM: a stopped process of the group acts on it at once instead
+        of sitting out the grace."""
         if not self.signal_group(signal.SIGTERM):
             return
+        self.signal_group(signal.SIGCONT)
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline:
             if not self.alive():

@@ -2,7 +2,8 @@
 
 Every second, for each such share, this daemon reads the job's lease and record in etcd
 (daemon/job_leadership.py). Once the lease has expired (the leader died, froze or lost etcd
-for longer than its TTL) and the record says the job is live, it tries to take the lease:
+for longer than its TTL) and the record says the job should be training (a paused job waits
+for its leader: a drained head daemon comes back to it), it tries to take the lease:
 etcd's create-if-absent lets exactly one contender win. The winner
 
 1. ends its own share of the old group (the survivors' workers may still be training in a
@@ -46,8 +47,8 @@ log = get_logger("ds3d.takeover")
 
 
 class Standby:
-    """Watches the leases of the etcd-mode jobs this node runs a share of; takes a job over
-    when its lease has expired."""
+    """Watches the leases of the etcd-mode jobs this node runs a share of; takes a job that
+    should be training over when its lease has expired (a paused job waits for its leader)."""
 
     def __init__(self, store: Store, shares: Shares, jobs_root: Path, node: str,
                  adopt: Callable[[str, Leadership, JobRecord, float], None],
@@ -85,12 +86,19 @@ class Standby:
             record, _ = read_record(client, key)
         except etcd.EtcdException:
             return  # etcd unreachable from here: no decision without it
-        if record is None or not record.live or record.name != cfg.name:
+        if record is None or record.name != cfg.name:
             return
+        if not record.live:
+            self.shares.forget(cfg.name)  # ended: nothing to take over, no more reads
+            return
+        if record.desired_state != JobState.RUNNING.name:
+            return  # paused (or pausing): it waits for its leader, nothing to supervise now
         local = self.store.get_job(cfg.name) if self.store.has_job(cfg.name) else None
         if local is not None and local.job_id != record.job_id:
-            log.error("cannot take the job over: a job of the same name is stored here",
-                      job=cfg.name, local_id=local.job_id, job_id=record.job_id)
+            log.error("cannot take the job over: a job of the same name is stored here; "
+                      "it is left to its other nodes", job=cfg.name, local_id=local.job_id,
+                      job_id=record.job_id)
+            self.shares.forget(cfg.name)
             return
         noticed = time.time()
         leadership = Leadership(client, key, self.address())
@@ -133,7 +141,6 @@ class Standby:
                           step=record.step, detail={"old_leader": record.leader,
                                                     "old_token": record.token, "new_leader": me,
                                                     "noticed_at": noticed})
-        desired = JobState[record.desired_state]
         job = self.store.get_job(record.name)
         if job.state is JobState.PENDING:
             self.store.transition(record.name, JobState.STARTING, "starting workers after "
@@ -144,5 +151,3 @@ class Standby:
             self.store.transition(record.name, JobState.RECOVERING, "relaunching after taking "
                                   "the job over", cause="leader_lost", next_launch_at=0,
                                   done_reason="")
-        if desired is JobState.PAUSED:
-            self.store.update(record.name, desired_state=JobState.PAUSED)
