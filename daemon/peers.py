@@ -22,6 +22,7 @@ heads the job and forwards job requests there (api.py).
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -226,6 +227,8 @@ class Shares:
         self._run_ids: dict[str, str] = {}  # job -> run id of the attempt last started here
         # job -> (its run ids' prefix, the highest leader token seen): etcd mode's fencing
         self._tokens: dict[str, tuple[str, int]] = {}
+        self._run_ids.update(self._last_run_ids())  # a restarted daemon watches them again
+        self._configs: dict[str, tuple[int, JobConfig]] = {}  # job -> (job.json mtime, parsed)
         self._lock = threading.Lock()
 
     def start(self, req: pb.StartShareRequest) -> AgentHandle:
@@ -269,7 +272,9 @@ class Shares:
         self._tokens[name] = (seen_prefix, max(token, newest))
 
     def started(self) -> list[tuple[JobConfig, str]]:
-        """The jobs this daemon started a share of, with the run id of the newest attempt."""
+        """The jobs this daemon started (or, before a restart, ran) a share of, with the run id
+        of the newest attempt. Each job.json is parsed again only when it changed: the takeover
+        watch asks every second."""
         with self._lock:
             run_ids = dict(self._run_ids)
         out = []
@@ -278,9 +283,34 @@ class Shares:
             if jobdir is None:
                 continue
             try:
-                out.append((JobConfig.model_validate_json(jobdir.job_json.read_text()), run_id))
-            except ValueError:
+                stamp = jobdir.job_json.stat().st_mtime_ns
+                held = self._configs.get(name)
+                if held is None or held[0] != stamp:
+                    held = (stamp, JobConfig.model_validate_json(jobdir.job_json.read_text()))
+                    self._configs[name] = held
+            except (OSError, ValueError):
                 continue
+            out.append((held[1], run_id))
+        return out
+
+    def _last_run_ids(self) -> dict[str, str]:
+        """The run id of each share's newest attempt, from the agent specs in its folder
+        (control/agent-<attempt>.json, written by Launcher.start)."""
+        out = {}
+        for job_json in self.root.glob("*/job.json"):
+            specs = []
+            for spec in job_json.parent.glob("control/agent-*.json"):
+                attempt = spec.stem.removeprefix("agent-")
+                if attempt.isdigit():
+                    specs.append((int(attempt), spec))
+            if not specs:
+                continue
+            try:
+                run_id = json.loads(max(specs)[1].read_text())["run_id"]
+            except (OSError, ValueError, KeyError):
+                continue
+            if isinstance(run_id, str) and run_id:
+                out[job_json.parent.name] = run_id
         return out
 
     def forget(self, name: str) -> None:

@@ -134,3 +134,19 @@ def test_returning_nodes_are_those_answering_without_a_live_share(monkeypatch):
     assert nodes.poll("job", ["a:1", "b:1", "d:1"]) == ["d:1"]  # b was just taken back
     clock[0] += 60
     assert nodes.poll("job", ["b:1"]) == ["b:1"]  # its agent never came: offered again
+
+
+def test_a_restarted_daemon_knows_the_run_of_each_share_it_ran(tmp_path):
+    """The takeover watch (daemon/takeover.py) needs each share's run id; a daemon restarted
+    after it ran shares reads them from the newest agent spec of each share folder."""
+    shares, jobdir = share(tmp_path)
+    assert shares.started() == []
+    for attempt in (1, 3, 2):
+        (jobdir.control / f"agent-{attempt}.json").write_text(
+            json.dumps({"run_id": f"mn-0123456789ab-a{attempt}"}))
+    (jobdir.control / "agent-9.exit").write_text("0")  # not a spec
+    restarted = Shares(shares.root, Launcher())
+    (cfg, run_id), = restarted.started()
+    assert cfg.name == "mn" and run_id == "mn-0123456789ab-a3"
+    restarted.forget("mn")
+    assert restarted.started() == []
