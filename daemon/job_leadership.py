@@ -39,6 +39,8 @@ from .store import Job, Store
 LEASE_TTL_S = 6             # a dead leader's job waits at most this long for a successor
 REFRESH_RECORD_S = 5.0      # the record's step is refreshed this often (state changes at once)
 EVENTS_KEPT = 500           # newest events carried in the record (their stacks left out)
+# the event kinds carried in the record: all but the per-step ones (the metrics keep those)
+RECORDED_KINDS = tuple(k for k in EventKind if k is not EventKind.STEP)
 
 log = get_logger("ds3d.leadership")
 
@@ -228,15 +230,13 @@ class Leadership:
         daemon is deposed and must stop acting."""
         import etcd
 
-        for ev in store.events(job=job.name, after_seq=self._event_seq, limit=10_000):
+        for ev in store.events(job=job.name, after_seq=self._event_seq, kinds=RECORDED_KINDS,
+                               limit=10_000):
             self._event_seq = ev.seq
-            if ev.kind == EventKind.STEP:
-                continue
-            detail = {k: v for k, v in ev.detail.items() if k not in ("stacks", "unanswered")}
-            self._events.append({"time": ev.time, "kind": ev.kind, "from_state": ev.from_state,
-                                 "to_state": ev.to_state, "step": ev.step, "rank": ev.rank,
-                                 "node": ev.node, "restart": ev.restart, "cause": ev.cause,
-                                 "message": ev.message, "detail": detail})
+            row = {k: v for k, v in asdict(ev).items() if k not in ("seq", "job")}
+            row["detail"] = {k: v for k, v in ev.detail.items()
+                             if k not in ("stacks", "unanswered")}
+            self._events.append(row)
             self._published = None
         self._events = self._events[-EVENTS_KEPT:]
         if not self.lease.is_leader() or self.lease.term is None:

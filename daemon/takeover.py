@@ -124,13 +124,13 @@ class Standby:
                    f"now and resumes it from the newest committed checkpoint (step "
                    f"{record.last_ckpt_step})")
         if self.store.has_job(record.name):  # led from here before, then followed
-            job = self.store.update(record.name, config_json=config_json, leader="",
+            self.store.update(record.name, config_json=config_json, leader="",
                                     restarts=record.restarts, agent_pid=0, agent_started=0,
                                     attempt=max(record.attempt,
                                                 self.store.get_job(record.name).attempt))
         else:
-            job = self.store.create_job(record.name, config_json, self.node, str(jobdir.path),
-                                        message="taken over", job_id=record.job_id)
+            self.store.create_job(record.name, config_json, self.node, str(jobdir.path),
+                                  message="taken over", job_id=record.job_id)
             self.store.import_events(record.name, record.events)
             self.store.update(record.name, restarts=record.restarts, step=record.step,
                               last_ckpt_step=record.last_ckpt_step, attempt=record.attempt)

@@ -290,6 +290,18 @@ class DaemonProc:
             channel.close()
 
 
+def wait_for_commit(daemon: DaemonProc, store: Path, name: str, step: int,
+                    timeout_s: float = 400.0) -> None:
+    """Until the job's checkpoint of `step` is committed in the file store `store` (its
+    MANIFEST.json), polled often: drills that strike right after a commit need to see it
+    at once. Fails with the job's logs."""
+    committed = store / name / "ckpt" / f"step-{step:08d}" / "MANIFEST.json"
+    deadline = time.monotonic() + timeout_s
+    while not committed.is_file() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert committed.is_file(), daemon.ctl("logs", name).stdout[-5000:]
+
+
 def kill_job_processes(state_dir: Path) -> None:
     """Ends every agent and rendezvous process the daemon under `state_dir` started (by the
     pids they recorded), so no test leaves processes behind."""

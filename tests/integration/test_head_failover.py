@@ -23,7 +23,7 @@ import pytest
 from ds3d.daemon.job_leadership import JobRecord
 
 from support import losses, torchrun
-from test_daemon_support import DaemonProc, kill_job_processes, new_token
+from test_daemon_support import DaemonProc, kill_job_processes, new_token, wait_for_commit
 
 pytest_plugins = ["fixtures.etcd"]
 pytestmark = [pytest.mark.slow, pytest.mark.etcd, pytest.mark.timeout(900)]
@@ -73,11 +73,7 @@ def start_job(members, daemons, store: Path, steps: int) -> None:
               "--set", "train.warmup_steps=2", "--set", f"launch.rendezvous={rendezvous}",
               "--hosts", ",".join(d.addr for d in daemons), "--store", f"file://{store}")
     assert r.returncode == 0, r.stderr
-    committed = store / "fo" / "ckpt" / "step-00000010" / "MANIFEST.json"
-    deadline = time.monotonic() + 400
-    while not committed.is_file() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert committed.is_file(), a.ctl("logs", "fo").stdout[-5000:]
+    wait_for_commit(a, store, "fo", 10)
 
 
 def new_leader(client, key: str, candidates: list[DaemonProc]) -> DaemonProc:

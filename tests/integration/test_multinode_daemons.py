@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +25,7 @@ from test_daemon_support import (
     loopback_nodes,
     new_token,
     pb,
+    wait_for_commit,
     worker_procs,
 )
 
@@ -183,11 +183,7 @@ def test_lost_node_job_finishes_on_the_others_with_a_reshape(tmp_path):
         # the kill lands just after a commit (nine steps before the next save), not while a
         # checkpoint is half uploaded: a pending commit that waits for the dead rank's part
         # holds up rank 0's later uploads for the commit timeout (600 s)
-        committed = store / "ln" / "ckpt" / "step-00000010" / "MANIFEST.json"
-        deadline = time.monotonic() + 400
-        while not committed.is_file() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert committed.is_file(), a.ctl("logs", "ln").stdout[-5000:]
+        wait_for_commit(a, store, "ln", 10)
 
         c.kill()  # node c dies: its daemon, then its agent and worker, all by SIGKILL
         kill_job_processes(c.state_dir)
