@@ -11,26 +11,52 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .layout import check_rel_path, local_manifest_path
 
 FORMAT_VERSION = 1
 HASH_CHUNK = 8 << 20
+# The pieces each file's `chunk_sha256` covers: a restore checks a file's pieces on as many
+# threads as it reads them with (read_ahead.py) instead of one sequential sha256 per file.
+CHUNK_BYTES = 64 << 20
+CHUNK_HASHERS = 4
 
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+_SHA256 = r"^[0-9a-f]{64}$"
+
+
 class FileEntry(_Model):
     path: str = Field(description="relative to the checkpoint folder, POSIX separators")
     size: int = Field(ge=0, description="bytes")
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    sha256: str = Field(pattern=_SHA256)
+    chunk_bytes: int = Field(default=0, ge=0, description="size of the pieces `chunk_sha256` "
+                             "hashes (the last may be shorter); 0 in entries of older versions")
+    chunk_sha256: tuple[str, ...] = Field(default=(), description="sha256 of each piece, in order")
+
+    @model_validator(mode="after")
+    def _chunks_cover_the_file(self) -> FileEntry:
+        want = -(-self.size // self.chunk_bytes) if self.chunk_bytes else 0
+        if len(self.chunk_sha256) != want:
+            raise ValueError(f"{self.path}: {len(self.chunk_sha256)} chunk hashes for {self.size} "
+                             f"bytes in pieces of {self.chunk_bytes} (expected {want})")
+        if any(len(h) != 64 or h.strip("0123456789abcdef") for h in self.chunk_sha256):
+            raise ValueError(f"{self.path}: a chunk hash is not 64 lower-case hex digits")
+        return self
+
+    def same_bytes(self, other: FileEntry) -> bool:
+        """Both entries describe the same file content (chunk hashes may be absent in one)."""
+        return (self.path, self.size, self.sha256) == (other.path, other.size, other.sha256)
 
 
 class Layout(_Model):
@@ -115,6 +141,40 @@ def hash_file(path: str | Path) -> str:
     return h.hexdigest()
 
 
+def hash_file_chunks(path: str | Path, chunk_bytes: int = CHUNK_BYTES,
+                     hashers: int = CHUNK_HASHERS) -> tuple[str, tuple[str, ...]]:
+    """(sha256 of the file, sha256 of each `chunk_bytes` piece) in one read: the whole-file
+    hash follows the reads in order, the pieces are hashed by a pool beside it (hashlib releases
+    the GIL), so this takes about as long as `hash_file`. Memory: hashers + 1 pieces."""
+    whole = hashlib.sha256()
+    size = os.path.getsize(path)
+    if size <= chunk_bytes:  # one piece: its hash is the file's
+        digest = hash_file(path)
+        return digest, (digest,) if size else ()
+    pieces: list[str] = []
+    with open(path, "rb", buffering=0) as fh, \
+            ThreadPoolExecutor(hashers, thread_name_prefix="ckpt-chunk-hash") as pool:
+        pending: deque[Future[str]] = deque()
+        for off in range(0, size, chunk_bytes):
+            buf = bytearray(min(chunk_bytes, size - off))
+            view, got = memoryview(buf), 0
+            while got < len(buf):
+                n = fh.readinto(view[got:])
+                if not n:
+                    raise OSError(f"{path} ended at {off + got} bytes while hashed (changed?)")
+                got += n
+            whole.update(buf)
+            pending.append(pool.submit(_sha256_hex, buf))
+            while len(pending) > hashers:
+                pieces.append(pending.popleft().result())
+        pieces.extend(f.result() for f in pending)
+    return whole.hexdigest(), tuple(pieces)
+
+
+def _sha256_hex(data: bytes | bytearray | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
 def list_checkpoint_files(local_dir: str | Path, tag: str) -> list[str]:
     """Relative paths of every regular file under `local_dir/tag`, sorted."""
     root = Path(local_dir)
@@ -133,7 +193,9 @@ def file_entries(local_dir: str | Path, files: list[str]) -> list[FileEntry]:
     for rel in sorted(set(files)):
         rel = check_rel_path(rel)
         full = root / rel
-        entries.append(FileEntry(path=rel, size=full.stat().st_size, sha256=hash_file(full)))
+        digest, pieces = hash_file_chunks(full)
+        entries.append(FileEntry(path=rel, size=full.stat().st_size, sha256=digest,
+                                 chunk_bytes=CHUNK_BYTES, chunk_sha256=pieces))
     return entries
 
 
@@ -166,7 +228,7 @@ def merge_parts(step: int, meta: CheckpointMeta, parts: list[PartManifest]) -> M
                              f"not by this job ({meta.job_id}): two jobs share the prefix")
         for entry in part.files:
             seen = by_path.setdefault(entry.path, entry)
-            if seen != entry:
+            if not seen.same_bytes(entry):
                 raise ValueError(f"{entry.path} differs between ranks' parts "
                                  f"({seen.sha256[:12]} vs {entry.sha256[:12]})")
     return manifest_from_entries(step, meta, list(by_path.values()))

@@ -1,14 +1,17 @@
 """Restore's one pass over a rank's checkpoint files: read in parallel, hashed as they stream.
 
-The sha256 of every file was computed once, when its rank wrote it (local_complete.py's
-record). A restore used to hash the whole local copy (20 s for the 19.8 GB `gpt1b` state on an
-H200) and then have `torch.load` read it all again. Here each file is read once, by several
-threads at once (`os.preadv`, which releases the GIL), into host memory of its own size; a
-hasher thread per file follows the readers chunk by chunk (hashlib releases the GIL too), so
-the check costs no extra pass. It runs in the background while the engine is built; `wait()`
-says which files do not match their recorded size and sha256. DeepSpeed's `load_checkpoint` is
-then served from these buffers (`load_buffer`, used by snapshot.SnapshotCheckpointEngine), with
-no second read of the files: the tensors are views of the verified bytes.
+The sha256 of every file, and of each of its 64 MiB pieces, was computed once, when its rank
+wrote it (local_complete.py's record, manifest.hash_file_chunks). A restore used to hash the
+whole local copy (20 s for the 19.8 GB `gpt1b` state on an H200) and then have `torch.load`
+read it all again. Here each file is read once, by several threads at once (`os.preadv`, which
+releases the GIL), into host memory of its own size, and each reader checks the hash of the
+piece it read (hashlib releases the GIL too): the check costs no extra pass and runs on as many
+cores as there are readers. (Entries of older versions have only the whole-file sha256: a
+hasher thread per file follows the readers piece by piece, one core per file.) It runs in the
+background while the engine is built; `wait()` says which files do not match their recorded
+size and sha256. DeepSpeed's `load_checkpoint` is then served from these buffers
+(`load_buffer`, used by snapshot.SnapshotCheckpointEngine), with no second read of the files:
+the tensors are views of the verified bytes.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import torch
 from .manifest import FileEntry
 
 CHUNK = 64 << 20  # bytes one reader reads at a time
-READERS = 8
+READERS = max(4, min(16, os.cpu_count() or 4))
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,7 @@ class ReadAhead:
             buffers: dict[str, memoryview] = {}
             bad: dict[str, str] = {}
             with ThreadPoolExecutor(self.readers, thread_name_prefix="ckpt-read") as pool:
-                hashers = []
+                files: list[_Hasher | _ChunkChecked] = []
                 for e in self.entries:
                     path = self.root / e.path
                     try:
@@ -89,27 +92,62 @@ class ReadAhead:
                         bad[e.path] = f"size {size} bytes, recorded {e.size}"
                         continue
                     view = memoryview(mmap.mmap(-1, size)) if size else memoryview(b"")
-                    chunks = [(off, min(self.chunk, size - off)) for off in
-                              range(0, size, self.chunk)]
+                    if e.chunk_bytes:  # recorded per piece: each reader checks its own
+                        chunks = _pieces(size, e.chunk_bytes)
+                        checks = [pool.submit(_read_checked, fd, view[off:off + n], off, want)
+                                  for (off, n), want in zip(chunks, e.chunk_sha256, strict=True)]
+                        files.append(_ChunkChecked(e, path, fd, view, checks))
+                        continue
+                    chunks = _pieces(size, self.chunk)
                     reads = [pool.submit(_pread_full, fd, view[off:off + n], off)
                              for off, n in chunks]
                     hasher = _Hasher(e, path, fd, view, chunks, reads)
-                    hashers.append(hasher)
+                    files.append(hasher)
                     hasher.start()
-                for hasher in hashers:
-                    problem = hasher.finish()
+                for f in files:
+                    problem = f.finish()
                     if problem:
-                        bad[hasher.entry.path] = problem
+                        bad[f.entry.path] = problem
                     else:
-                        buffers[os.path.normpath(os.path.abspath(hasher.path))] = hasher.view
+                        buffers[os.path.normpath(os.path.abspath(f.path))] = f.view
             self._result = ReadResult(buffers, bad, sum(len(b) for b in buffers.values()),
                                       time.perf_counter() - t0)
         except BaseException as e:  # raised by wait(), on the caller's thread
             self._error = e
 
 
+def _pieces(size: int, chunk: int) -> list[tuple[int, int]]:
+    return [(off, min(chunk, size - off)) for off in range(0, size, chunk)]
+
+
+def _read_checked(fd: int, view: memoryview, offset: int, sha256: str) -> str | None:
+    """Reads one recorded piece and checks its hash, on the reader's own thread."""
+    try:
+        _pread_full(fd, view, offset)
+    except OSError as e:
+        return f"read failed: {e}"
+    if hashlib.sha256(view).hexdigest() != sha256:
+        return f"sha256 of the piece at byte {offset} differs from the one recorded at save"
+    return None
+
+
+class _ChunkChecked:
+    """One file whose pieces are read and checked by the pool (entries with chunk hashes)."""
+
+    def __init__(self, entry: FileEntry, path: Path, fd: int, view: memoryview,
+                 checks: list[Future[str | None]]) -> None:
+        self.entry, self.path, self.fd, self.view, self.checks = entry, path, fd, view, checks
+
+    def finish(self) -> str | None:
+        try:
+            return next((p for p in (c.result() for c in self.checks) if p), None)
+        finally:
+            os.close(self.fd)
+
+
 class _Hasher(threading.Thread):
-    """Hashes one file's chunks in order as the readers finish them."""
+    """Hashes one file's chunks in order as the readers finish them (entries recorded with one
+    sha256 for the whole file, by versions before chunk hashes)."""
 
     def __init__(self, entry: FileEntry, path: Path, fd: int, view: memoryview,
                  chunks: list[tuple[int, int]], reads: list[Future[None]]) -> None:

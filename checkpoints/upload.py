@@ -144,7 +144,7 @@ def upload_rank_files(storage: Storage, step: int, rank: int, local_ckpt_dir: st
                                  f"{job_id}); it is not overwritten")
     if existing is not None:
         committed = {e.path: e for e in existing.files}
-        if all(committed.get(e.path) == e for e in entries):
+        if all(e.path in committed and committed[e.path].same_bytes(e) for e in entries):
             return part
         raise CheckpointError(f"step {step} is already committed in {storage.url} with other "
                               "files; delete it before saving that step again")

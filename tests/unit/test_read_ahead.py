@@ -5,6 +5,7 @@ pass and the restore falls back to an older step."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import torch
 from ds3d.checkpoints import local_complete, manifest
 from ds3d.checkpoints.engine_io import CheckpointManager, Rank
 from ds3d.checkpoints.local_complete import write_record
-from ds3d.checkpoints.manifest import FileEntry, file_entries, hash_file
+from ds3d.checkpoints.manifest import FileEntry, file_entries, hash_file, hash_file_chunks
 from ds3d.checkpoints.read_ahead import ReadAhead, load_buffer
 from ds3d.checkpoints.settings import CheckpointSettings
 
@@ -22,8 +23,62 @@ from fixtures.ckpt import meta_for, write_fake_checkpoint
 
 
 def entry(root: Path, rel: str) -> FileEntry:
+    """An entry as versions before chunk hashes recorded it: one sha256 for the file."""
     path = root / rel
     return FileEntry(path=rel, size=path.stat().st_size, sha256=hash_file(path))
+
+
+def chunked_entry(root: Path, rel: str, chunk: int) -> FileEntry:
+    path = root / rel
+    digest, pieces = hash_file_chunks(path, chunk_bytes=chunk, hashers=3)
+    return FileEntry(path=rel, size=path.stat().st_size, sha256=digest, chunk_bytes=chunk,
+                     chunk_sha256=pieces)
+
+
+def test_chunk_hashes_are_the_pieces_sha256_and_the_file_hash_is_unchanged(
+        tmp_path: Path) -> None:
+    data = os.urandom(5 * (1 << 20) + 17)
+    (tmp_path / "f").write_bytes(data)
+    digest, pieces = hash_file_chunks(tmp_path / "f", chunk_bytes=1 << 20, hashers=2)
+    assert digest == hashlib.sha256(data).hexdigest() == hash_file(tmp_path / "f")
+    assert pieces == tuple(hashlib.sha256(data[o:o + (1 << 20)]).hexdigest()
+                           for o in range(0, len(data), 1 << 20))
+    assert len(pieces) == 6
+    (tmp_path / "small").write_bytes(b"abc")
+    abc = hashlib.sha256(b"abc").hexdigest()
+    assert hash_file_chunks(tmp_path / "small") == (abc, (abc,))
+    (tmp_path / "empty").write_bytes(b"")
+    assert hash_file_chunks(tmp_path / "empty") == (hashlib.sha256(b"").hexdigest(), ())
+
+
+def test_an_entry_whose_chunk_hashes_do_not_cover_the_file_is_refused() -> None:
+    h = "0" * 64
+    FileEntry(path="x", size=10, sha256=h, chunk_bytes=4, chunk_sha256=(h, h, h))
+    with pytest.raises(ValueError,
+                       match=r"3 chunk hashes for 8 bytes in pieces of 4 \(expected 2\)"):
+        FileEntry(path="x", size=8, sha256=h, chunk_bytes=4, chunk_sha256=(h, h, h))
+    with pytest.raises(ValueError, match="64 lower-case hex"):
+        FileEntry(path="x", size=4, sha256=h, chunk_bytes=4, chunk_sha256=("A" * 64,))
+    with pytest.raises(ValueError, match="expected 0"):
+        FileEntry(path="x", size=4, sha256=h, chunk_sha256=(h,))
+
+
+def test_each_reader_checks_its_piece_and_names_the_bad_one(tmp_path: Path) -> None:
+    for name in ("changed.bin", "intact.bin"):
+        (tmp_path / name).write_bytes(os.urandom((3 << 20) + 5))
+    entries = [chunked_entry(tmp_path, p.name, 1 << 20) for p in sorted(tmp_path.iterdir())]
+    result = ReadAhead(tmp_path, entries, readers=3).start().wait()
+    assert result.ok and bytes(result.buffers[str(tmp_path / "changed.bin")]) == \
+        (tmp_path / "changed.bin").read_bytes()
+    with open(tmp_path / "changed.bin", "r+b") as fh:  # one byte of the third piece
+        fh.seek((2 << 20) + 9)
+        old = fh.read(1)
+        fh.seek((2 << 20) + 9)
+        fh.write(bytes([old[0] ^ 1]))
+    result = ReadAhead(tmp_path, entries, readers=3).start().wait()
+    assert set(result.bad) == {"changed.bin"}
+    assert f"piece at byte {2 << 20}" in result.bad["changed.bin"]
+    assert list(result.buffers) == [str(tmp_path / "intact.bin")]
 
 
 def test_parallel_read_equals_the_file_bytes(tmp_path: Path) -> None:
