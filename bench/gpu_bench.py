@@ -60,7 +60,7 @@ SECTIONS = ["peak", "minimal", "minimal_compile", "deepspeed", "deepspeed_compil
             "ds3d_compile"]
 OPTIONAL = ["minimal_unfused_adam", "minimal_math_attention", "deepspeed_unfused",
             "deepspeed_stock_bf16", "deepspeed_compile_stock_bf16", "profile",
-            "checkpoint", "restore", "rollback"]
+            "checkpoint", "restore", "rollback", "goodput"]
 # (name, --set overrides of the bench job): sizes, micro-batches, checkpointing and ZeRO stages
 MEMORY_CONFIGS = {
     "gpt1b_mb8": ["train.micro_batch_size=8"],
@@ -631,6 +631,129 @@ def sec_restore(args) -> dict:
     return out
 
 
+# the goodput run (issue 19 goal 6): a fault every 2 minutes, NaN, crash and spike in turn
+GOODPUT_FAULTS = [(60.0, "nan"), (180.0, "crash"), (300.0, "spike")]  # s after the first step
+GOODPUT_WINDOW_S = 360.0  # training time measured in the faulty run
+GOODPUT_REFERENCE_S = 90.0  # ... and in the fault-free run of the same invocation
+GOODPUT_SETS = ["checkpoint.keep_last=1", "faults.spike_policy=\"rollback\"",
+                "faults.spike_window=20", "faults.spike_mads=20"]
+GOODPUT_INTERVAL = 150  # steps (~40 s of the gpt1b job: about one save's write + commit)
+QUICK_SCALE = 6  # --quick: times / 6, a save every 3 steps (a CPU smoke test of the section)
+
+
+def _goodput_run(args, name: str, window_s: float, faults: list[tuple[float, str]]) -> dict:
+    """One job under torchrun (the elastic agent restarts a crashed worker) for `window_s` of
+    training after its first step, faults injected through control/inject.json at their times;
+    then the process group is killed. Goodput = the step reached at the window's end (after any
+    rollback) over the window."""
+    import shutil
+
+    run_dir = Path(args.work) / name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    shutil.rmtree(Path(args.work) / "ckpt-run", ignore_errors=True)  # the disk holds ~3 states
+    (run_dir / "control").mkdir(parents=True)
+    interval = 3 if args.quick else GOODPUT_INTERVAL
+    cfg = build_cfg(args, GOODPUT_SETS + [f"checkpoint.interval={interval}"])
+    (run_dir / "job.json").write_text(cfg.dump_json())
+    env = dict(os.environ, DS_ACCELERATOR=args.device if args.device == "cuda" else "cpu",
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", NCCL_NVLS_ENABLE="0",
+               DS3D_LOG_FORMAT="json")
+    reports, log = run_dir / "reports" / "rank-00000.jsonl", run_dir / "worker.log"
+    t_launch = time.time()
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             "--nproc-per-node=1", "--max-restarts=3", "-m",
+                             "ds3d.trainer.worker", "--run-dir", str(run_dir)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=log.open("w"),
+                            start_new_session=True)
+
+    def recs() -> list[dict]:
+        return [json.loads(line) for line in reports.read_text().splitlines()] \
+            if reports.exists() else []
+
+    def steps() -> list[dict]:
+        return [r for r in recs() if r["kind"] == "step"]
+
+    t_first = None
+    pending = list(faults)
+    injected: list[dict] = []
+    while proc.poll() is None:
+        time.sleep(0.5)
+        now = time.time()
+        if t_first is None:
+            done = steps()
+            if done:
+                t_first = done[0]["time"]
+                progress(f"{name}: first step", after_launch_s=t_first - t_launch)
+            elif now - t_launch > 300:
+                break
+            continue
+        if now - t_first >= window_s:
+            break
+        if pending and now - t_first >= pending[0][0]:
+            at, kind = pending.pop(0)
+            step = steps()[-1]["step"]
+            i = len(injected) + 1
+            (run_dir / "control" / "inject.json").write_text(
+                json.dumps({"id": i, "kind": kind, "rank": 0, "at_step": step + 2}))
+            injected.append({"id": i, "kind": kind, "planned_s": at, "written_s": now - t_first,
+                             "at_step": step + 2})
+            progress(f"{name}: inject", kind=kind, at_step=step + 2)
+    if proc.poll() is None:
+        os.killpg(proc.pid, 9)
+    proc.wait()
+    all_recs = recs()
+    if t_first is None:
+        return {"error": log.read_text()[-3000:]}
+    t_end = t_first + window_s
+    inside = [r for r in all_recs if r["kind"] == "step" and r["time"] <= t_end]
+    first_step, last_step = inside[0]["step"], inside[-1]["step"]
+    out = {"window_s": window_s, "first_step": first_step, "step_at_window_end": last_step,
+           "steps_trained": len(inside), "useful_steps": last_step - first_step,
+           "goodput_steps_per_s": (last_step - first_step) / window_s,
+           "start_to_first_step_s": t_first - t_launch,
+           "checkpoint_interval_steps": cfg.checkpoint.interval,
+           "saves": [r for r in all_recs if r["kind"] == "checkpoint" and
+                     r.get("phase") in ("saved", "committed") and r["time"] <= t_end]}
+    out["saves"] = [{k: r.get(k) for k in ("phase", "step", "blocked_s", "time")}
+                    for r in out["saves"]]
+    for f in injected:
+        done = run_dir / "control" / f"inject-done-{f['id']}"
+        f["fired_s"] = done.stat().st_mtime - t_first if done.exists() else None
+    out["faults"] = injected
+    out["recoveries"] = [{k: r.get(k) for k in ("cause", "step", "recovered_to", "steps_lost",
+                                                "seconds", "source", "time")}
+                         for r in all_recs if r["kind"] == "recovery"]
+    for r in out["recoveries"]:
+        r["at_s"] = r.pop("time") - t_first
+    starts = [r for r in all_recs if r["kind"] == "start"]
+    out["worker_starts"] = len(starts)
+    if len(starts) > 1:  # the crash: the restarted worker's start and first step after it
+        pid = starts[-1]["pid"]
+        first_after = next((r for r in all_recs if r["kind"] == "step" and r.get("pid") == pid),
+                           None)
+        crash = next((f for f in injected if f["kind"] == "crash"), None)
+        out["crash_resumed_from_step"] = starts[-1].get("step")
+        if first_after is not None and crash is not None and crash.get("fired_s") is not None:
+            out["crash_to_first_step_s"] = first_after["time"] - t_first - crash["fired_s"]
+    return out
+
+
+def sec_goodput(args) -> dict:
+    """Issue 19 goal 6: the bench job for 6 minutes with a fault every 2 minutes (NaN, crash,
+    spike in turn) against the same job without faults, both in this invocation."""
+    k = QUICK_SCALE if args.quick else 1
+    ref = _goodput_run(args, "goodput-fault-free", GOODPUT_REFERENCE_S / k, [])
+    progress("fault-free", goodput=ref.get("goodput_steps_per_s"))
+    window = GOODPUT_WINDOW_S / k
+    faulty = _goodput_run(args, "goodput-faults", window,
+                          [(at / k, kind) for at, kind in GOODPUT_FAULTS])
+    out = {"fault_free": ref, "faulty": faulty, "sets": GOODPUT_SETS}
+    if "goodput_steps_per_s" in ref and "goodput_steps_per_s" in faulty:
+        out["goodput_vs_fault_free"] = faulty["goodput_steps_per_s"] / ref["goodput_steps_per_s"]
+        out["lost_s"] = window - faulty["useful_steps"] / ref["goodput_steps_per_s"]
+    return out
+
+
 def sec_engine_build(args) -> dict:
     """The bare engine build (no checkpoint load) of the restore's floor."""
     cfg, device, layout, TrainStep = engine_stack(args, ["checkpoint.keep_last=2"])
@@ -796,7 +919,8 @@ def run_section(name: str, args) -> dict:
           "ds3d": sec_ds3d,
           "ds3d_compile": lambda a: sec_ds3d(a, compile_=True),
           "profile": sec_profile, "checkpoint": sec_checkpoint, "restore": sec_restore,
-          "engine_build": sec_engine_build, "rollback": sec_rollback}[name]
+          "engine_build": sec_engine_build, "rollback": sec_rollback,
+          "goodput": sec_goodput}[name]
     return fn(args)
 
 
