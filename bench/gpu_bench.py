@@ -453,6 +453,14 @@ def sec_profile(args) -> dict:
             "top_kernels_s": top[:12]}
 
 
+def _thp() -> str:
+    """The kernel's transparent huge page mode (checkpoints/host_memory.py asks for them)."""
+    try:
+        return Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
+    except OSError:
+        return "unknown"
+
+
 def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
@@ -494,6 +502,7 @@ def sec_checkpoint(args) -> dict:
     sync(device)
     out["pinning_s"] = time.perf_counter() - t0
     out["arena_pinned"] = ckpt.snapshot._arena is not None
+    out["transparent_hugepage"] = _thp()
     out["steps_while_pinning"] = k
     out["step_s_while_pinning"] = out["pinning_s"] / max(k, 1)
     progress("pinned", seconds=out["pinning_s"], steps=k, ok=out["arena_pinned"])
@@ -635,7 +644,8 @@ def sec_restore(args) -> dict:
                        "first step": step1 - loaded},
            "read_and_verify_s (background, overlapped with the build)":
                float(read_s.group(1)) if read_s else None,
-           "checkpoint_bytes": _dir_bytes(run_dir / "ckpt" / f"global_step{saved[-1]}")}
+           "checkpoint_bytes": _dir_bytes(run_dir / "ckpt" / f"global_step{saved[-1]}"),
+           "transparent_hugepage": _thp()}
     # the bare floor, in the same run: one sequential read of the same files (page cache as the
     # restore found it) plus an engine build with no load
     files = sorted(p for p in (run_dir / "ckpt" / f"global_step{saved[-1]}").rglob("*")
@@ -876,6 +886,7 @@ def sec_rollback(args) -> dict:
     out["blocked_s"] = ckpt.save(engine, saved, {"iteration": saved}, saved, {"step": saved})
     held = ckpt.snapshot.held()
     out["arena_pinned"] = ckpt.snapshot._arena is not None
+    out["transparent_hugepage"] = _thp()
     out["state_bytes"] = sum(t.numel() * t.element_size() for snap in
                              (held.files.values() if held else []) for t in _tensors_of(snap))
     for _ in range(3):  # the NaN comes 3 steps after the save, its files still being written

@@ -17,7 +17,6 @@ the tensors are views of the verified bytes.
 from __future__ import annotations
 
 import hashlib
-import mmap
 import os
 import pickle
 import threading
@@ -28,6 +27,7 @@ from typing import IO, Any, cast
 
 import torch
 
+from .host_memory import anonymous_buffer
 from .manifest import FileEntry
 
 CHUNK = 64 << 20  # bytes one reader reads at a time
@@ -91,7 +91,7 @@ class ReadAhead:
                         os.close(fd)
                         bad[e.path] = f"size {size} bytes, recorded {e.size}"
                         continue
-                    view = memoryview(mmap.mmap(-1, size)) if size else memoryview(b"")
+                    view = memoryview(anonymous_buffer(size)) if size else memoryview(b"")
                     if e.chunk_bytes:  # recorded per piece: each reader checks its own
                         chunks = _pieces(size, e.chunk_bytes)
                         checks = [pool.submit(_read_checked, fd, view[off:off + n], off, want)

@@ -61,6 +61,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 
 from .disk_space import Shortage, is_disk_full, shortage
 from .errors import CheckpointError
+from .host_memory import anonymous_buffer
 from .read_ahead import load_buffer
 
 DurableCallback = Callable[[str, list[str]], None]
@@ -168,7 +169,7 @@ class SnapshotCheckpointEngine(CheckpointEngine):
             return
 
         def reserve() -> None:
-            arena = mmap.mmap(-1, nbytes)
+            arena = anonymous_buffer(nbytes)
             address = ctypes.addressof(ctypes.c_char.from_buffer(arena))
             if not pin or int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)) == 0:
                 self._arena, self._arena_address = arena, address if pin else None
