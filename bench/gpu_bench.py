@@ -587,6 +587,35 @@ def _proc_state(pid: int) -> str:
         return "Z"
 
 
+def _restore_phases(recs: list[dict], t0: float, log: Path) -> dict:
+    """Where a restarted worker's time went, from its process start (`t0`: the launch, or the
+    crash) to its first step: the newest worker's report records and its log."""
+    import re
+
+    pid = [r for r in recs if r["kind"] == "start"][-1]["pid"]
+    mine = [r for r in recs if r["pid"] == pid]
+
+    def first(kind, **kw):
+        return next(r["time"] for r in mine if r["kind"] == kind and
+                    all(r.get(k) == v for k, v in kw.items()))
+
+    init, build = first("heartbeat", phase="init"), first("heartbeat", phase="build")
+    load, loaded = first("heartbeat", phase="load"), first("checkpoint", phase="loaded")
+    step1 = first("step")
+    verified = [line for line in log.read_text().splitlines() if "local_copy_verified" in line]
+    read_s = re.search(r'"seconds": ([0-9.]+)', verified[-1]) if verified else None
+    return {"total_s": step1 - t0,
+            "parts_s": {"agent + rendezvous + python/torch/CUDA init": init - t0,
+                        "choose checkpoint (records and sizes, no hashing)": build - init,
+                        "model + engine build, overlapped with the parallel read + sha256 of "
+                        "the local copy (joined at its end)": load - build,
+                        "load into the engine, served from the verified host buffers":
+                            loaded - load,
+                        "first step": step1 - loaded},
+            "read_and_verify_s (background, overlapped with the build)":
+                float(read_s.group(1)) if read_s else None}
+
+
 def sec_restore(args) -> dict:
     """A fresh torchrun (agent, c10d rendezvous, worker) resuming the job `checkpoint` saved."""
     run_dir = Path(args.work) / "ckpt-run"
@@ -620,32 +649,9 @@ def sec_restore(args) -> dict:
     _kill_job(proc)
     if not any(r["kind"] == "step" for r in recs):
         return {"error": log.read_text()[-3000:]}
-    pid = [r for r in recs if r["kind"] == "start"][-1]["pid"]
-    mine = [r for r in recs if r["pid"] == pid]
-
-    def first(kind, **kw):
-        return next(r["time"] for r in mine if r["kind"] == kind and
-                    all(r.get(k) == v for k, v in kw.items()))
-
-    init, build = first("heartbeat", phase="init"), first("heartbeat", phase="build")
-    load, loaded = first("heartbeat", phase="load"), first("checkpoint", phase="loaded")
-    step1 = first("step")
-    import re
-
-    verified = [line for line in log.read_text().splitlines() if "local_copy_verified" in line]
-    read_s = re.search(r'"seconds": ([0-9.]+)', verified[-1]) if verified else None
-    out = {"total_s": step1 - t0,
-           "parts_s": {"agent + rendezvous + python/torch/CUDA init": init - t0,
-                       "choose checkpoint (records and sizes, no hashing)": build - init,
-                       "model + engine build, overlapped with the parallel read + sha256 of "
-                       "the local copy (joined at its end)": load - build,
-                       "load into the engine, served from the verified host buffers":
-                           loaded - load,
-                       "first step": step1 - loaded},
-           "read_and_verify_s (background, overlapped with the build)":
-               float(read_s.group(1)) if read_s else None,
-           "checkpoint_bytes": _dir_bytes(run_dir / "ckpt" / f"global_step{saved[-1]}"),
-           "transparent_hugepage": _thp()}
+    out = _restore_phases(recs, t0, log)
+    out["checkpoint_bytes"] = _dir_bytes(run_dir / "ckpt" / f"global_step{saved[-1]}")
+    out["transparent_hugepage"] = _thp()
     # the bare floor, in the same run: one sequential read of the same files (page cache as the
     # restore found it) plus an engine build with no load
     files = sorted(p for p in (run_dir / "ckpt" / f"global_step{saved[-1]}").rglob("*")
@@ -779,6 +785,11 @@ def _goodput_run(args, name: str, window_s: float, faults: list[tuple[float, str
         out["crash_resumed_from_step"] = starts[-1].get("step")
         if first_after is not None and crash is not None and crash.get("fired_s") is not None:
             out["crash_to_first_step_s"] = first_after["time"] - t_first - crash["fired_s"]
+            try:  # the restarted worker's restore, timed from the crash
+                out["crash_restore"] = _restore_phases(all_recs, t_first + crash["fired_s"], log)
+                out["transparent_hugepage"] = _thp()
+            except StopIteration:
+                out["crash_restore"] = {"error": "a phase record is missing"}
     return out
 
 
