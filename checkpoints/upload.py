@@ -279,12 +279,14 @@ class Uploader:
 
     def __init__(self, storage: Storage, local_dir: str | Path, rank: int, world_size: int, *,
                  committer: bool | None = None, commit_timeout: float = 600.0,
-                 retry_interval: float = 30.0,
+                 retry_interval: float = 30.0, max_retry_interval: float | None = None,
                  on_event: Callable[[UploadEvent], None] | None = None) -> None:
         self.storage, self.local_dir = storage, Path(local_dir)
         self.rank, self.world_size = rank, world_size
         self.committer = rank == 0 if committer is None else committer
         self.commit_timeout, self.retry_interval = commit_timeout, retry_interval
+        # a failed checkpoint's retries back off (doubling) up to this; None: a fixed interval
+        self.max_retry_interval = max_retry_interval
         self.on_event = on_event
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._verify: queue.Queue[_Job | None] = queue.Queue()
@@ -550,12 +552,19 @@ class Uploader:
         if job.dropped:
             return
         self._mark(job, "failed", error=str(e))
-        job.retry_at = time.monotonic() + self.retry_interval
+        job.retry_at = time.monotonic() + self._retry_delay(job)
         with self._lock:
             self._failed[job.step] = job
         log.warning("checkpoint_upload_failed", step=job.step, rank=self.rank,
                     attempt=job.attempts, cause=type(e).__name__, detail=str(e))
         self._emit("failed", job, t0, str(e))
+
+    def _retry_delay(self, job: _Job) -> float:
+        """`retry_interval`, doubling with each failed attempt up to `max_retry_interval`."""
+        if self.max_retry_interval is None:
+            return self.retry_interval
+        doubled = self.retry_interval * float(2 ** min(max(job.attempts - 1, 0), 30))
+        return min(self.max_retry_interval, doubled)
 
     def _abort_journaled(self, step: int) -> None:
         """An abandoned checkpoint's unfinished multipart uploads would cost storage forever."""

@@ -157,6 +157,9 @@ class ReportTail:
         obs.records.sort(key=lambda r: _num(r.get("time")) or 0.0)
         now = time.monotonic()
         events, ckpts, figures = [], [], self._figures(obs.records)
+        if "last_ckpt_step" in figures:  # an older step committed late (a retried upload)
+            figures["last_ckpt_step"] = max(figures["last_ckpt_step"],
+                                            self.store.get_job(name).last_ckpt_step)
         for rec in obs.records:
             self.last_seen[int(rec.get("rank", -1))] = now
             ev = record_to_event(rec)

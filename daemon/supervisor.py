@@ -35,6 +35,7 @@ from ds3d.trainer.config import JobConfig
 from ds3d.trainer.errors import Ds3dError
 from ds3d.trainer.kinds import DoneReason, EventKind, RecordKind
 
+from .backlog_upload import BacklogUpload, local_backlog
 from .ckpt_index import IndexReconciler
 from .commands import Action, Command
 from .decisions import END_STATES, Handler, done_reason, handler_for
@@ -127,6 +128,8 @@ class JobSupervisor:
         self.index.request("the daemon started supervising the job")
         self.failures = FailureHistory(ctx.store, name)
         self._world = job.world_size  # processes of the running group; 0 before the first start
+        # checkpoints the exited workers left local-complete but not durable (_durable_first)
+        self.backlog: BacklogUpload | None = None
         adopted = ctx.leaderships.pop(name, None)  # taken over: the record is its predecessor's
         self.leadership = adopted or self._new_leadership(job)
         self._checked_term = adopted.lease.term.token if adopted and adopted.lease.term else 0
@@ -153,6 +156,8 @@ class JobSupervisor:
                     self.log.exception("supervisor tick failed; retrying")
             self.wake.wait(self.ctx.interval_s)
             self.wake.clear()
+        if self.backlog is not None:  # the daemon stops: its successor resumes the backlog
+            self.backlog.close()
 
     def tick(self) -> bool:
         """One pass; True once the job is terminal and cleaned up, or led by another daemon."""
@@ -270,6 +275,12 @@ class JobSupervisor:
         if Command.decode(job.command_action) != Command(Action.STOP_NOW) and \
                 self.nodes.busy(job):
             return  # their ranks may still be committing the checkpoint
+        if Command.decode(job.command_action) == Command(Action.STOP_NOW) and \
+                want is JobState.STOPPED:
+            self._stop_now_without_backlog(job, t)
+            return
+        if not self._durable_first(job, want):
+            return
         if done_reason(job.done_reason) is DoneReason.COMPLETED and t.agent_exit == 0:
             # the last step came before the workers read the pause/stop command
             self._to(JobState.COMPLETED, f"workers completed all steps ({job.step}) before "
@@ -337,8 +348,70 @@ class JobSupervisor:
                      next_launch_at=0)
             return
         end = END_STATES.get(reason, JobState.FAILED) if reason is not None else JobState.FAILED
+        if end is not JobState.FAILED and not self._durable_first(job, end):
+            return
         self._to(end, f"workers exited after `done` ({job.done_reason}) at step {job.step}",
                  agent_pid=0, agent_started=0)
+
+    def _durable_first(self, job: Job, end: JobState) -> bool:
+        """True when the job may end in `end` (COMPLETED, PAUSED, STOPPED) as far as its
+        checkpoints go: this node holds no checkpoint left local-complete but not durable by
+        its exited workers. Otherwise ds3dd uploads and commits them (daemon/backlog_upload.py,
+        retried with backoff through a store outage) and the job stays in its state, its status
+        naming what is pending and why. Intent lives in the local markers, so a restarted
+        daemon finds the same backlog. The tick that sees it all durable still returns False:
+        the next one ingests the backlog's last records before the job ends."""
+        if self.backlog is None:
+            cfg = self._config(job)
+            self.backlog = BacklogUpload.start_if_needed(job, cfg, self.jobdir.path,
+                                                         self._local_dir(job))
+            if self.backlog is None:
+                return True
+            self.store.record(self.name, EventKind.CHECKPOINT,
+                              f"the workers exited with checkpoint step(s) "
+                              f"{self.backlog.steps} not durable; ds3dd uploads them before "
+                              f"the job becomes {end.name}", cause="backlog",
+                              step=self.backlog.steps[-1],
+                              detail={"steps": self.backlog.steps, "end": end.name})
+        if self.backlog.pending():
+            message = self.backlog.describe()
+            if job.message != message:
+                self.store.update(self.name, message=message)
+            return False
+        backlog, self.backlog = self.backlog, None
+        backlog.finish()
+        took = time.time() - backlog.started
+        self.store.record(self.name, EventKind.CHECKPOINT,
+                          f"backlog durable after {took:.0f} s: checkpoint step(s) "
+                          f"{sorted(backlog.committed)} committed by ds3dd after the workers "
+                          f"exited" + (f"; abandoned {sorted(backlog.abandoned)}"
+                                       if backlog.abandoned else ""),
+                          cause="backlog_durable",
+                          step=max(backlog.committed, default=backlog.steps[-1]),
+                          detail={"committed": sorted(backlog.committed),
+                                  "abandoned": sorted(backlog.abandoned),
+                                  "seconds": round(took, 1)})
+        self.wake.set()
+        return False
+
+    def _stop_now_without_backlog(self, job: Job, t: Tick) -> None:
+        """`stop --now` ends the job without waiting for the store: checkpoints not durable
+        yet stay on this node's local tier only, and the STOPPED message names them."""
+        if self.backlog is not None:
+            self.backlog.close()
+            self.backlog = None
+        local = sorted({p.step for p in local_backlog(self._local_dir(job))})
+        reason = job.done_reason or ("no workers were running" if self.agent is None
+                                     else f"agent exit code {t.agent_exit}")
+        self._to(JobState.STOPPED, f"stop on request ({reason})" + (
+            f"; checkpoint step(s) {local} were not durable and stay only in this node's "
+            f"local tier {self._local_dir(job)} (stop --now does not wait for the store)"
+            if local else ""), agent_pid=0, agent_started=0)
+
+    def _local_dir(self, job: Job) -> Path:
+        """This node's local checkpoint tier of the job (the workers' default: JOB_DIR/ckpt)."""
+        local = self._config(job).checkpoint.local_dir
+        return Path(local) if local else self.jobdir.ckpt
 
     def _act_on_faults(self, job: Job, faults: list[Fault]) -> None:
         """Records the faults in order, up to the first that restarts (or, past the restart
@@ -428,6 +501,9 @@ class JobSupervisor:
     def _launch(self, job: Job) -> None:
         """Starts (or finds) the agent of the next attempt; intent (the attempt number) first."""
         cfg = self._config(job)
+        if self.backlog is not None:  # the new workers resume these uploads themselves
+            self.backlog.close()
+            self.backlog = None
         self.jobdir.create(job.config_json)
         attempt = job.attempt
         found = Launcher.find(self.jobdir.path, attempt) if attempt else None

@@ -296,6 +296,11 @@ class CheckpointConfig(_Section):
         default=3600.0, ge=0, le=2592000, allow_inf_nan=False, description="seconds before the "
         "leftovers of interrupted saves (uncommitted steps older than the newest commit, "
         "temporary files, unfinished multipart uploads) are removed (checkpoints/catalog.py)")
+    store_wait_s: float = Field(
+        default=300.0, ge=0, le=604800, allow_inf_nan=False, description="seconds the workers "
+        "wait at their end (complete, pause, stop, planned restart) for their newest checkpoint "
+        "to be durable; past it they exit, freeing the devices, and the daemon uploads and "
+        "commits what is left (daemon/backlog_upload.py) before the job ends")
     load: bool = Field(default=True, description="resume from the newest complete checkpoint")
     s3: S3TransferConfig = Field(default_factory=S3TransferConfig,
                                  description="transfer settings for an s3:// store")

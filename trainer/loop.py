@@ -405,21 +405,28 @@ class Trainer:
         own; the ranks agree every few seconds (one small all-reduce, so no rank sits in a
         collective long enough to time out), and each waiting rank sends a `store_wait`
         heartbeat saying what is pending, so the daemon shows "waiting for the store" instead
-        of declaring a hang and restarting a group whose work is all on local disk."""
+        of declaring a hang and restarting a group whose work is all on local disk.
+
+        Bounded by `checkpoint.store_wait_s`: past it the ranks exit (the devices are freed)
+        and ds3dd uploads and commits what is left from the local tier before the job ends
+        (daemon/backlog_upload.py); the local markers say what that is."""
         newest, t0 = self.saved_step, time.monotonic()
         uploader = self.ckpt.uploader
+        limit = self.cfg.checkpoint.store_wait_s
         while True:
-            idle = self.ckpt.wait_uploads(timeout=STORE_WAIT_REPORT_S)
+            left = limit - (time.monotonic() - t0)
+            idle = self.ckpt.wait_uploads(timeout=max(0.0, min(STORE_WAIT_REPORT_S, left)))
             pending = uploader.pending()
             mine = idle and newest not in pending
+            over = time.monotonic() - t0 >= limit  # the daemon takes over what is left
             if not mine:
                 self.reporter.emit(RecordKind.HEARTBEAT, step=self.step, phase="store_wait",
                                    why=why, newest=newest, pending=pending,
                                    failed=uploader.failed(),
                                    waited_s=round(time.monotonic() - t0, 1))
-                if idle:  # only failed uploads left: the uploader retries them after a while
-                    time.sleep(STORE_WAIT_REPORT_S)
-            done = torch.tensor([int(mine)], dtype=torch.long, device=self.device)
+                if idle and not over:  # only failed uploads left: the uploader retries them
+                    time.sleep(max(0.0, min(STORE_WAIT_REPORT_S, left)))
+            done = torch.tensor([int(mine or over)], dtype=torch.long, device=self.device)
             dist.all_reduce(done, op=dist.ReduceOp.MIN)
             if done.item():
                 return

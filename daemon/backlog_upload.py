@@ -1,0 +1,178 @@
+"""Uploading a job's checkpoints that are local-complete but not durable after its workers exit.
+
+The workers wait at their end for their newest checkpoint to be durable, but only for
+`checkpoint.store_wait_s` (trainer/loop.py `wait_for_store`); a worker can also exit earlier
+(stop --now, a crash after which nothing is relaunched). What is left is recorded in this
+node's local tier: each rank's marker (`L/.ds3d/step-N/rank-R.json`: `pending`, `failed`,
+`uploaded`; `committed` once durable) with its file list, metadata and, for S3, the multipart
+journal. This module finishes that work in the daemon with the checkpoints package's own
+`Uploader` (`resume_pending`), one per rank found here: the same local-complete hashes, part
+manifests, rank-0 commit (conditional MANIFEST put, read back, `latest`) and multipart resume,
+never a second copy of that logic. Each node uploads its own ranks' files; the node holding
+rank 0's marker commits once every rank's part is in the store, as the workers do.
+
+Progress goes where the workers' goes: `checkpoint` records appended to the ranks' report files
+(trainer/report.py), so the daemon's report tail turns them into events, checkpoint index rows
+and the job's newest checkpoint step exactly as for the workers' own records. Nothing else is
+kept: the markers are the state on disk, so a restarted daemon finds the same backlog again.
+Retention and the sweep of leftovers run once, after the whole backlog is durable (never while a
+step here still needs its parts or local files)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ds3d.checkpoints import layout
+from ds3d.checkpoints.catalog import Catalog
+from ds3d.checkpoints.errors import Ds3dError
+from ds3d.checkpoints.storage import Storage
+from ds3d.checkpoints.upload import Uploader, UploadEvent, read_marker
+from ds3d.trainer.config import JobConfig
+from ds3d.trainer.kinds import RecordKind
+from ds3d.trainer.report import Reporter
+
+from .ckpt_index import job_storage
+from .logging import get_logger
+from .store import Job
+
+# markers whose upload will never be retried (checkpoints/upload.py `Uploader._process`)
+_GIVEN_UP = ("abandoned:", "local files unreadable:")
+RETRY_S, MAX_RETRY_S = 2.0, 30.0  # first retry after a failed attempt, then doubling up to this
+
+
+@dataclass(frozen=True)
+class Pending:
+    """One rank's checkpoint not yet done on this node: its step, marker state and the error
+    of its last failed attempt ("" if none)."""
+
+    step: int
+    rank: int
+    state: str
+    error: str
+
+
+def local_backlog(local_dir: Path) -> list[Pending]:
+    """This node's unfinished uploads, from the ranks' markers: `pending` or `failed` (unless
+    given up for good), and on rank 0 (the committer) also `uploaded` (not committed yet)."""
+    out = []
+    for marker in sorted(local_dir.glob(f"{layout.LOCAL_STATE_DIR}/step-*/rank-*.json")):
+        rec = read_marker(marker)
+        if not rec or rec.get("meta") is None:
+            continue
+        state, rank, error = str(rec.get("state")), int(rec.get("rank", -1)), \
+            str(rec.get("error") or "")
+        if state == "committed" or (state == "uploaded" and rank != 0):
+            continue
+        if state == "failed" and error.startswith(_GIVEN_UP):
+            continue
+        out.append(Pending(int(rec["step"]), rank, state, error))
+    return out
+
+
+class BacklogUpload:
+    """Uploads (and, holding rank 0, commits) one job's backlog on this node in background
+    threads, retrying with backoff while the store is down. `pending()` empties once every step
+    is committed (rank 0) or uploaded (other ranks), or given up as abandoned."""
+
+    def __init__(self, job: Job, cfg: JobConfig, run_dir: Path, local_dir: Path,
+                 storage: Storage | None = None, retry_s: float = RETRY_S,
+                 max_retry_s: float = MAX_RETRY_S) -> None:
+        self.job_name, self.job_id, self.cfg = job.name, job.job_id, cfg
+        self.run_dir, self.local_dir = run_dir, local_dir
+        self.log = get_logger("ds3d.backlog", job=job.name)
+        found = local_backlog(local_dir)
+        self.steps = sorted({p.step for p in found})
+        self.errors: dict[int, str] = {p.step: p.error for p in found if p.error}
+        self.committed: list[int] = []
+        self.abandoned: list[int] = []
+        self.started = time.time()
+        self.storage = storage or job_storage(job)
+        self._reporters: dict[int, Reporter] = {}
+        self._uploaders: list[Uploader] = []
+        for rank in sorted({p.rank for p in found}):
+            self._reporters[rank] = Reporter(run_dir, rank, job.restarts)
+            up = Uploader(self.storage, local_dir, rank, cfg.parallel.world_size,
+                          committer=rank == 0, retry_interval=retry_s,
+                          max_retry_interval=max_retry_s, on_event=self._on_event)
+            self._uploaders.append(up)
+            up.resume_pending()
+        self.log.info("backlog_upload_started", steps=self.steps,
+                      ranks=sorted(self._reporters))
+
+    @classmethod
+    def start_if_needed(cls, job: Job, cfg: JobConfig, run_dir: Path,
+                        local_dir: Path) -> BacklogUpload | None:
+        """A running backlog upload, or None when this node has nothing left to upload."""
+        if not local_backlog(local_dir):
+            return None
+        return cls(job, cfg, run_dir, local_dir)
+
+    def pending(self) -> list[int]:
+        """Steps still queued, in flight or failed and waiting for a retry, on any rank here."""
+        return sorted({s for up in self._uploaders for s in up.pending()})
+
+    def failed(self) -> list[int]:
+        return sorted({s for up in self._uploaders for s in up.failed()})
+
+    def describe(self) -> str:
+        """What is pending and why, for the job's status message."""
+        pending = self.pending()
+        if not pending:
+            return f"backlog durable: steps {self.committed} committed by ds3dd"
+        final = pending[-1]
+        error = self.errors.get(final) or next(
+            (self.errors[s] for s in reversed(pending) if s in self.errors), "")
+        why = f"waits for the store: {error}" if error else "is being uploaded by ds3dd"
+        return (f"final checkpoint step {final} {why}; {len(pending)} checkpoint(s) pending "
+                f"(steps {pending}) for {time.time() - self.started:.0f} s: the workers exited, "
+                f"ds3dd uploads them from this node's local tier with retries")
+
+    def finish(self) -> None:
+        """Once nothing is pending: retention and the sweep of leftovers, as the workers run
+        them after a commit (only on the node that committed, and only now, so nothing the
+        backlog needed is deleted), then the threads and report files are closed."""
+        if self.committed:
+            c = self.cfg.checkpoint
+            catalog = Catalog(self.storage, self.local_dir, job_id=self.job_id or None)
+            step = max(self.committed)
+            try:
+                kept = catalog.apply_retention(c.keep_last, c.keep_every)
+                swept = catalog.sweep(c.cleanup_grace_s)
+            except Ds3dError as e:
+                self._emit(0, step, "cleanup_failed", cause="retention", detail=str(e))
+            else:
+                if kept.deleted:
+                    self._emit(0, step, "retention", detail=f"deleted {kept.deleted}",
+                               deleted=kept.deleted)
+                for failed_step, error in kept.failed.items():
+                    self._emit(0, failed_step, "cleanup_failed", cause="retention",
+                               detail=error)
+                for what, error in swept.failed.items():
+                    self._emit(0, step, "cleanup_failed", cause="leftovers",
+                               detail=f"{what}: {error}")
+        self.close()
+
+    def close(self) -> None:
+        """Stops the threads after the attempt in flight; what is left stays in the markers."""
+        for up in self._uploaders:
+            up.close(timeout=10)
+        for rep in self._reporters.values():
+            rep.close(wait_s=5.0)
+
+    def _on_event(self, ev: UploadEvent) -> None:
+        if ev.kind == "failed":
+            self.errors[ev.step] = ev.detail
+        elif ev.kind == "committed":
+            self.errors.pop(ev.step, None)
+            self.committed.append(ev.step)
+        elif ev.kind == "abandoned":
+            self.abandoned.append(ev.step)
+        self._emit(ev.rank, ev.step, ev.kind, seconds=ev.seconds, detail=ev.detail)
+        self.log.info("backlog_upload", step=ev.step, rank=ev.rank, phase=ev.kind,
+                      detail=ev.detail)
+
+    def _emit(self, rank: int, step: int, phase: str, **fields: object) -> None:
+        reporter = self._reporters.get(rank) or next(iter(self._reporters.values()))
+        reporter.emit(RecordKind.CHECKPOINT, step=step, phase=phase, source="ds3dd", **fields)

@@ -1,0 +1,90 @@
+"""Checkpoints left local-complete but not durable by exited workers are uploaded by ds3dd.
+
+A real ds3dd runs `tiny` at TP 2 into Ceph RGW with `checkpoint.store_wait_s` = 2. radosgw is
+SIGKILLed once the first checkpoint is committed, while the job still trains; the workers
+finish, wait 2 s for the store and exit, leaving the newer checkpoints on local disk only. The
+job must not be COMPLETED: it stays RUNNING, and its status names the final step and the
+store's error. ds3dd is SIGKILLed and started again in the middle: it finds the same backlog
+in the local markers. Once the gateway is back, the daemon uploads and commits the backlog
+(both ranks' parts, rank 0's MANIFEST), and only then is the job COMPLETED: the newest durable
+checkpoint is the final step and its files verify against the manifest."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ds3d.checkpoints import layout
+from ds3d.checkpoints.catalog import Catalog, CkptState
+
+from test_daemon_support import DaemonProc, worker_procs
+
+pytest_plugins = ["fixtures.s3", "fixtures.rgw"]
+pytestmark = [pytest.mark.rgw, pytest.mark.slow, pytest.mark.timeout(420)]
+
+STEPS, INTERVAL = 200, 50
+
+
+def _manifest_exists(client: Any, bucket: str, step: int) -> bool:
+    key = f"jobs/bk/{layout.manifest_key(step)}"
+    return bool(client.list_objects_v2(Bucket=bucket, Prefix=key).get("KeyCount"))
+
+
+def test_backlog_is_uploaded_by_the_daemon_after_the_workers_exit(
+        rgw_cluster: Any, rgw_server: Any, rgw_bucket: str, make_rgw_storage: Any,
+        tmp_path: Path) -> None:
+    env = {**rgw_server.env(), "DS3D_S3_MAX_ATTEMPTS": "1", "DS3D_S3_OUTAGE_RETRIES": "1"}
+    d = DaemonProc(tmp_path / "state", extra_env=env)
+    with d:
+        r = d.ctl("start", "tiny", "--name", "bk", "--tp", "2", "--steps", str(STEPS),
+                  "--set", f"checkpoint.interval={INTERVAL}",
+                  "--set", "checkpoint.store_wait_s=2",
+                  "--set", f'checkpoint.store="s3://{rgw_bucket}/jobs"')
+        assert r.returncode == 0, r.stderr
+        run_dir = tmp_path / "state" / "jobs" / "bk"
+        client = rgw_server.client()
+        deadline = time.monotonic() + 240
+        while not _manifest_exists(client, rgw_bucket, INTERVAL):
+            assert time.monotonic() < deadline, d.job("bk")
+            time.sleep(0.2)
+        with rgw_cluster.gateway_down():
+            at_outage = d.job("bk")["step"]
+            assert at_outage < STEPS, f"trained to the end ({at_outage}) before the outage"
+            # the workers finish, wait store_wait_s and exit; the daemon holds the job
+            job = d.wait_for("bk", lambda j: "final checkpoint step" in j["message"],
+                             "the backlog named in the status", timeout_s=240)
+            assert job["state"] == "RUNNING", job
+            assert f"final checkpoint step {STEPS} waits for the store" in job["message"], job
+            assert "pending" in job["message"], job
+            assert not worker_procs(run_dir), "the workers should have exited"
+            status = d.ctl("status", "bk", "--json")
+            assert f"final checkpoint step {STEPS} waits for the store: " in status.stdout, \
+                status.stdout
+            assert "cannot reach the S3 endpoint" in status.stdout, status.stdout
+            # a daemon crash in the middle: the restarted daemon finds the backlog on disk
+            d.kill()
+            d.start()
+            d.wait_for("bk", lambda j: sum(
+                1 for e in d.events("bk") if e.get("cause") == "backlog") >= 2,
+                "the restarted daemon resuming the backlog", timeout_s=60)
+            time.sleep(3.0)  # its uploads fail and are retried while the gateway is down
+            job = d.job("bk")
+            assert job["state"] == "RUNNING", job
+            assert f"final checkpoint step {STEPS} waits for the store" in job["message"], job
+        done = d.wait_state("bk", "COMPLETED", "FAILED", "STOPPED", timeout_s=180)
+        assert done["state"] == "COMPLETED", done
+        assert done["last_checkpoint_step"] == STEPS, done
+        assert done["restarts"] == 0, done
+        events = d.event_details("bk")
+    durable = [e for e in events if e.get("cause") == "backlog_durable"]
+    assert len(durable) == 1 and STEPS in durable[0]["detail"]["committed"], durable
+    assert not [e for e in events if e["kind"] == "fault"], events
+    assert done["step"] == STEPS, done
+    # the store's newest durable checkpoint is the final step, and it verifies
+    catalog = Catalog(make_rgw_storage("jobs/bk"), None)
+    committed = [c.step for c in catalog.list() if c.state is CkptState.COMMITTED]
+    assert max(committed) == STEPS, committed
+    assert catalog.verify(STEPS, checksums=True) == [], catalog.verify(STEPS, checksums=True)
