@@ -41,7 +41,7 @@ from typing import Any
 
 from ds3d.trainer.exit_codes import EXIT_CONFIG
 
-from .launcher import WORKER_MODULE
+from .launcher import WORKER_MODULE, AgentSpec
 
 
 def write_result(path: Path, exit_code: int, error: str = "") -> None:
@@ -94,7 +94,7 @@ def _agent_class(extensions: tuple[Path, Path] | None) -> type:
     return Ds3dAgent
 
 
-def run(spec: dict[str, Any]) -> tuple[int, str]:
+def run(spec: AgentSpec) -> tuple[int, str]:
     import torch.distributed.launcher.api as launcher_api
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -103,34 +103,33 @@ def run(spec: dict[str, Any]) -> tuple[int, str]:
     from .extension_cache import warm_root
 
     extensions = None
-    if spec.get("extensions_dir"):
-        extensions = (Path(spec["extensions_dir"]), warm_root(spec.get("warm_extensions_dir")))
-        os.environ["TORCH_EXTENSIONS_DIR"] = spec["extensions_dir"]  # the workers inherit it
+    if spec.extensions_dir:
+        extensions = (Path(spec.extensions_dir), warm_root(spec.warm_extensions_dir))
+        os.environ["TORCH_EXTENSIONS_DIR"] = spec.extensions_dir  # the workers inherit it
     # launch_agent builds the agent from this module-level name: the one place to swap it
     setattr(launcher_api, "LocalElasticAgent", _agent_class(extensions))  # noqa: B010
     config = LaunchConfig(
-        min_nodes=spec["min_nodes"],
-        max_nodes=spec["max_nodes"],
-        nproc_per_node=spec["nproc_per_node"],
-        run_id=spec["run_id"],
+        min_nodes=spec.min_nodes,
+        max_nodes=spec.max_nodes,
+        nproc_per_node=spec.nproc_per_node,
+        run_id=spec.run_id,
         role="ds3d",
-        rdzv_backend=spec.get("rdzv_backend", "c10d"),
-        rdzv_endpoint=spec["rdzv_endpoint"],
-        rdzv_configs=spec["rdzv_configs"],
-        max_restarts=spec["max_restarts"],
-        monitor_interval=spec.get("monitor_interval", 0.5),
+        rdzv_backend=spec.rdzv_backend,
+        rdzv_endpoint=spec.rdzv_endpoint,
+        rdzv_configs=dict(spec.rdzv_configs),
+        max_restarts=spec.max_restarts,
+        monitor_interval=spec.monitor_interval,
         start_method="forkserver",
-        logs_specs=DefaultLogsSpecs(log_dir=spec["log_dir"], redirects=Std.ALL),
-        local_addr=spec.get("local_addr"),
+        logs_specs=DefaultLogsSpecs(log_dir=spec.log_dir, redirects=Std.ALL),
+        local_addr=spec.local_addr,
     )
-    module = spec["worker_module"]
+    module = spec.worker_module
     # what the forkserver imports once, for every worker it forks; a stand-in worker module is
     # not preloaded (importing it runs it)
     multiprocessing.set_forkserver_preload(list(TRAINER_PRELOAD) if module == WORKER_MODULE
                                            else [])
     try:
-        elastic_launch(config, run_module_as_main)(module, spec["run_dir"],
-                                                   *spec.get("worker_args", []))
+        elastic_launch(config, run_module_as_main)(module, spec.run_dir, *spec.worker_args)
     except ChildFailedError as e:
         return failure_result(e.failures)
     return 0, ""
@@ -189,9 +188,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m ds3d.daemon.agent")
     ap.add_argument("--spec", type=Path, required=True, help="agent spec JSON (launcher.py)")
     a = ap.parse_args(argv)
-    spec = json.loads(a.spec.read_text())
-    result = Path(spec["result_file"])
-    _write_pid_file(Path(spec["pid_file"]))
+    spec = AgentSpec.read(a.spec)
+    result = Path(spec.result_file)
+    _write_pid_file(Path(spec.pid_file))
     code, error = 1, ""
     try:
         code, error = run(spec)

@@ -25,8 +25,10 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psutil
+from pydantic import BaseModel, ConfigDict, Field
 
 from ds3d.trainer.config import JobConfig
 
@@ -53,6 +55,43 @@ RDZV_CONFIGS: dict[str, object] = {
 # slack than the in-memory store before a slow node is taken for a dead one.
 ETCD_RDZV_CONFIGS: dict[str, object] = {
     **{k: v for k, v in RDZV_CONFIGS.items() if k != "is_host"}, "keep_alive_max_attempt": 5}
+
+
+class AgentSpec(BaseModel):
+    """What one agent process is asked to run (agent.py reads it): written by `Launcher.start`
+    as control/agent-<attempt>.json, or by a test that runs a job under the agent without a
+    daemon. The one definition of the file's fields, checked strictly when the agent reads it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    run_dir: str
+    run_id: str = Field(min_length=1)
+    min_nodes: int = Field(ge=1)
+    max_nodes: int = Field(ge=1)
+    nproc_per_node: int = Field(ge=1)
+    rdzv_backend: str = "c10d"
+    rdzv_endpoint: str
+    rdzv_configs: dict[str, Any]
+    max_restarts: int = Field(ge=0)
+    monitor_interval: float = Field(default=0.5, gt=0)
+    worker_module: str = WORKER_MODULE
+    worker_args: list[str] = Field(default_factory=list, description="after --run-dir RUN_DIR")
+    log_dir: str
+    result_file: str
+    pid_file: str
+    local_addr: str | None = Field(default=None, description="torch elastic's local_addr (None: "
+                                   "the host's FQDN)")
+    extensions_dir: str | None = Field(default=None, description="the job's own "
+                                       "TORCH_EXTENSIONS_DIR, seeded from warm_extensions_dir")
+    warm_extensions_dir: str | None = None
+
+    def write(self, path: Path) -> None:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(self.model_dump_json(indent=2))
+        os.replace(tmp, path)
+
+    @classmethod
+    def read(cls, path: Path) -> AgentSpec:
+        return cls.model_validate_json(path.read_bytes())
 
 
 @dataclass
@@ -99,26 +138,19 @@ class Launcher:
         control.mkdir(parents=True, exist_ok=True)
         result_file = control / f"agent-{attempt}.exit"
         result_file.unlink(missing_ok=True)
-        spec = {
-            "run_dir": str(run_dir),
-            "run_id": run_id,
-            "min_nodes": cfg.launch.min_nodes or nnodes,
-            "max_nodes": nnodes,
-            "nproc_per_node": nproc,
-            "rdzv_backend": ETCD_BACKEND if cfg.launch.rendezvous else "c10d",
-            "rdzv_endpoint": rdzv_endpoint,
-            "rdzv_configs": ETCD_RDZV_CONFIGS if cfg.launch.rendezvous else RDZV_CONFIGS,
-            "max_restarts": cfg.launch.max_restarts,
-            "worker_module": self.worker_module,
-            "log_dir": str(run_dir / "logs" / f"attempt-{attempt}"),
-            "result_file": str(result_file),
-            "pid_file": str(control / f"agent-{attempt}.pid"),
-            "local_addr": local_addr or self.node_addr,
-            "extensions_dir": str(job_extensions_dir(run_dir)),
-            "warm_extensions_dir": os.environ.get("TORCH_EXTENSIONS_DIR") or None,
-        }
+        spec = AgentSpec(
+            run_dir=str(run_dir), run_id=run_id, min_nodes=cfg.launch.min_nodes or nnodes,
+            max_nodes=nnodes, nproc_per_node=nproc,
+            rdzv_backend=ETCD_BACKEND if cfg.launch.rendezvous else "c10d",
+            rdzv_endpoint=rdzv_endpoint,
+            rdzv_configs=ETCD_RDZV_CONFIGS if cfg.launch.rendezvous else RDZV_CONFIGS,
+            max_restarts=cfg.launch.max_restarts, worker_module=self.worker_module,
+            log_dir=str(run_dir / "logs" / f"attempt-{attempt}"), result_file=str(result_file),
+            pid_file=str(control / f"agent-{attempt}.pid"), local_addr=local_addr or self.node_addr,
+            extensions_dir=str(job_extensions_dir(run_dir)),
+            warm_extensions_dir=os.environ.get("TORCH_EXTENSIONS_DIR") or None)
         spec_file = control / f"agent-{attempt}.json"
-        spec_file.write_text(json.dumps(spec, indent=2))
+        spec.write(spec_file)
         env = dict(os.environ)
         env.update({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "DS3D_RUN_DIR": str(run_dir),
                     "DS3D_JOB": cfg.name, "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0",

@@ -30,7 +30,7 @@ def torchrun(run_dir: Path, nproc: int, config: str = "tiny", sets: list[str] | 
     the trainer once (a 4-rank start is a fork, not ~16 CPU-s of imports). The agent restarts
     a failed group up to `max_restarts` times, as `torchrun --max-restarts`. The agent's output
     and every worker's stdout/stderr are gathered in RUN_DIR/torchrun.log."""
-    from ds3d.daemon.launcher import RDZV_CONFIGS, WORKER_MODULE
+    from ds3d.daemon.launcher import RDZV_CONFIGS, AgentSpec
 
     from fixtures.s3 import free_port
 
@@ -38,19 +38,17 @@ def torchrun(run_dir: Path, nproc: int, config: str = "tiny", sets: list[str] | 
     control = run_dir / "control"
     control.mkdir(parents=True, exist_ok=True)
     logs = run_dir / "logs" / "torchrun"
-    spec = {"run_dir": str(run_dir), "run_id": run_dir.name, "min_nodes": 1, "max_nodes": 1,
-            "nproc_per_node": nproc, "rdzv_backend": "c10d",
-            "rdzv_endpoint": f"127.0.0.1:{free_port()}",
-            "rdzv_configs": {**RDZV_CONFIGS, "is_host": True}, "max_restarts": max_restarts,
-            "worker_module": WORKER_MODULE, "worker_args": args, "log_dir": str(logs),
-            "result_file": str(control / "torchrun-agent.exit"),
-            "pid_file": str(control / "torchrun-agent.pid"), "local_addr": "127.0.0.1",
-            # the job's own op build folder, seeded from the warm cache (as ds3dd does): a
-            # worker killed in one test while it loads an op cannot leave a lock for the others
-            "extensions_dir": str(run_dir / "torch_extensions"),
-            "warm_extensions_dir": os.environ.get("TORCH_EXTENSIONS_DIR")}
     spec_file = control / "torchrun-agent.json"
-    spec_file.write_text(json.dumps(spec))
+    AgentSpec(run_dir=str(run_dir), run_id=run_dir.name, min_nodes=1, max_nodes=1,
+              nproc_per_node=nproc, rdzv_endpoint=f"127.0.0.1:{free_port()}",
+              rdzv_configs={**RDZV_CONFIGS, "is_host": True}, max_restarts=max_restarts,
+              worker_args=args, log_dir=str(logs),
+              result_file=str(control / "torchrun-agent.exit"),
+              pid_file=str(control / "torchrun-agent.pid"), local_addr="127.0.0.1",
+              # the job's own op build folder, seeded from the warm cache (as ds3dd does): a
+              # worker killed in one test while it loads an op cannot leave a lock for others
+              extensions_dir=str(run_dir / "torch_extensions"),
+              warm_extensions_dir=os.environ.get("TORCH_EXTENSIONS_DIR")).write(spec_file)
     proc = subprocess.run([sys.executable, "-m", "ds3d.daemon.agent", "--spec", str(spec_file)],
                           env=worker_env(DS3D_RUN_DIR=str(run_dir), **(env or {})),
                           capture_output=True, text=True, timeout=timeout)

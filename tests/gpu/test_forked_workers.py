@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 def test_agent_forks_cuda_workers_that_train_and_restart(tmp_path):
     import torch
 
-    from ds3d.daemon.launcher import RDZV_CONFIGS, WORKER_MODULE
+    from ds3d.daemon.launcher import RDZV_CONFIGS, AgentSpec
     from ds3d.trainer.config import build_job_config
 
     nproc = min(2, torch.cuda.device_count())
@@ -36,14 +36,11 @@ def test_agent_forks_cuda_workers_that_train_and_restart(tmp_path):
     # rank 0 crashes at step 5: the agent forks a second group, which resumes from a checkpoint
     (run / "control" / "inject.json").write_text(json.dumps(
         {"id": 1, "kind": "crash", "rank": 0, "at_step": 5}))
-    spec = {"run_dir": str(run), "run_id": "forked", "min_nodes": 1, "max_nodes": 1,
-            "nproc_per_node": nproc, "rdzv_backend": "c10d",
-            "rdzv_endpoint": f"127.0.0.1:{free_port()}",
-            "rdzv_configs": {**RDZV_CONFIGS, "is_host": True}, "max_restarts": 1,
-            "worker_module": WORKER_MODULE, "log_dir": str(run / "logs"),
-            "result_file": str(run / "control" / "agent.exit"),
-            "pid_file": str(run / "control" / "agent.pid"), "local_addr": None}
-    (run / "control" / "agent.json").write_text(json.dumps(spec))
+    AgentSpec(run_dir=str(run), run_id="forked", min_nodes=1, max_nodes=1, nproc_per_node=nproc,
+              rdzv_endpoint=f"127.0.0.1:{free_port()}",
+              rdzv_configs={**RDZV_CONFIGS, "is_host": True}, max_restarts=1,
+              log_dir=str(run / "logs"), result_file=str(run / "control" / "agent.exit"),
+              pid_file=str(run / "control" / "agent.pid")).write(run / "control" / "agent.json")
     env = dict(os.environ, DS_ACCELERATOR="cuda", NCCL_NVLS_ENABLE="0", DS3D_RUN_DIR=str(run),
                TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", PYTHONUNBUFFERED="1")
     proc = subprocess.run([sys.executable, "-m", "ds3d.daemon.agent", "--spec",
