@@ -797,11 +797,11 @@ def sec_goodput(args) -> dict:
     """Issue 19 goal 6: the bench job for 6 minutes with a fault every 2 minutes (NaN, crash,
     spike in turn) against the same job without faults, both in this invocation."""
     k = QUICK_SCALE if args.quick else 1
-    ref = _goodput_run(args, "goodput-fault-free", GOODPUT_REFERENCE_S / k, [])
+    ref = _goodput_run(args, "goodput-fault-free", args.goodput_reference / k, [])
     progress("fault-free", goodput=ref.get("goodput_steps_per_s"))
-    window = GOODPUT_WINDOW_S / k
+    window = args.goodput_window / k
     faulty = _goodput_run(args, "goodput-faults", window,
-                          [(at / k, kind) for at, kind in GOODPUT_FAULTS])
+                          [(at / k, kind) for at, kind in GOODPUT_FAULTS if at / k < window])
     out = {"fault_free": ref, "faulty": faulty, "sets": GOODPUT_SETS}
     if "goodput_steps_per_s" in ref and "goodput_steps_per_s" in faulty:
         out["goodput_vs_fault_free"] = faulty["goodput_steps_per_s"] / ref["goodput_steps_per_s"]
@@ -991,6 +991,10 @@ def main() -> None:
     ap.add_argument("--profile-dir", default=None,
                     help="profile 2 steps after the timed ones; kernel tables written here")
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--goodput-window", type=float, default=GOODPUT_WINDOW_S,
+                    help="seconds of training measured in the goodput section's faulty run")
+    ap.add_argument("--goodput-reference", type=float, default=GOODPUT_REFERENCE_S,
+                    help="... and in its fault-free run")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--section-timeout", type=float, default=420.0,
                     help="seconds after which a section is killed (default 420)")
@@ -1023,7 +1027,9 @@ def main() -> None:
         peak = report["sections"].get("peak", {})
         cmd = [sys.executable, str(Path(__file__).resolve()), "--section", name, "--device",
                args.device, "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--work", work] + (["--quick"] if args.quick else []) + \
+               "--work", work, "--goodput-window", str(args.goodput_window),
+               "--goodput-reference", str(args.goodput_reference)] + \
+            (["--quick"] if args.quick else []) + \
             (["--profile-dir", args.profile_dir] if args.profile_dir else [])
         if peak.get("bf16_matmul_tflops"):
             cmd += ["--peak", str(peak["bf16_matmul_tflops"]),
