@@ -24,8 +24,9 @@ from ds3d.trainer.partition import Prediction, current_partition
 from ds3d.v1 import control_pb2 as pb
 from ds3d.v1 import control_pb2_grpc as pb_grpc
 
+from .job_leadership import LEASE_TTL_S
 from .logging import get_logger
-from .peers import PeerClient, Shares
+from .peers import HeadReplacingError, PeerClient, PeerError, Shares
 from .service import JobService, Rebalance, parse_config
 from .store import Event, Job
 
@@ -155,10 +156,18 @@ class ControlServicer(pb_grpc.ControlServicer):
     def _forwarded(self, method: str, request: Any, answer: type[R]) -> R | None:
         """The head's answer (an `answer`) to `request` when the job is headed elsewhere, else
         None."""
-        head = self._head(getattr(request, "name", ""))
+        name = getattr(request, "name", "")
+        head = self._head(name)
         if head is None:
             return None
-        resp: R = self.peers.forward(head, method, request)  # type: ignore[union-attr]
+        try:
+            resp: R = self.peers.forward(head, method, request)  # type: ignore[union-attr]
+        except PeerError as e:
+            if not self.shares.etcd_led(_name(name)):
+                raise
+            raise HeadReplacingError(
+                f"{e}: if that daemon is gone, a survivor takes the job over once its leader "
+                f"lease ({LEASE_TTL_S} s) runs out; retry in a few seconds") from None
         return resp
 
     def StartJob(self, request: pb.StartJobRequest,
@@ -201,9 +210,9 @@ class ControlServicer(pb_grpc.ControlServicer):
         jobs = [job_to_proto(j, self.service.step_split(j.name))
                 for j in self.service.list_jobs(request.include_finished)]
         for name in self.shares.names():
-            if self._head(name) is None:
-                continue
             try:
+                if self._head(name) is None:
+                    continue
                 answer = self._forwarded("GetJob", pb.JobRef(name=name), pb.JobResponse)
             except Ds3dError as e:
                 log.info("shared job not listed", job=name, error=str(e))

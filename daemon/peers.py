@@ -38,6 +38,7 @@ from ds3d.v1 import control_pb2 as pb
 from ds3d.v1 import control_pb2_grpc as pb_grpc
 
 from .auth import TlsFiles, is_local_address
+from .errors import ANSWERED_BY
 from .jobdir import JobDir
 from .launcher import AgentHandle, Launcher, kill_strays
 from .logging import get_logger
@@ -48,6 +49,14 @@ log = get_logger("ds3d.peers")
 class PeerError(StorageError):
     """A peer daemon could not be reached or refused (retryable: the node may come back)."""
 
+    retryable = True
+
+
+class HeadReplacingError(Ds3dError):
+    """An etcd-mode job's head is gone and no survivor leads it yet (retryable: one takes the
+    job over within seconds)."""
+
+    grpc_code = "UNAVAILABLE"
     retryable = True
 
 
@@ -102,7 +111,11 @@ class PeerClient:
                                          metadata=self._md(client=True))
         except grpc.RpcError as e:
             code = e.code()
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            # an UNAVAILABLE the head itself answered (a store it cannot reach, a job being
+            # taken over) is passed on as it is, not taken for a head that did not answer
+            answered = ANSWERED_BY in tuple(e.trailing_metadata() or ())
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and \
+                    not answered:
                 raise PeerError(f"the job's head daemon {address} did not answer "
                                 f"({code.name}); ask it directly or retry") from None
             raise ForwardedError(code.name, e.details()) from None
@@ -229,6 +242,9 @@ class Shares:
         self._tokens: dict[str, tuple[str, int]] = {}
         self._run_ids.update(self._last_run_ids())  # a restarted daemon watches them again
         self._configs: dict[str, tuple[int, JobConfig]] = {}  # job -> (job.json mtime, parsed)
+        # etcd-mode jobs: (lease holder as the takeover watch last read it, "" for nobody;
+        # the wall time it changed to that), by job
+        self._leaders: dict[str, tuple[str, float]] = {}
         self._lock = threading.Lock()
 
     def start(self, req: pb.StartShareRequest) -> AgentHandle:
@@ -317,6 +333,20 @@ class Shares:
         """No more watching of `name` (daemon/takeover.py) until its next StartShare."""
         with self._lock:
             self._run_ids.pop(name, None)
+            self._leaders.pop(name, None)
+
+    def leader_seen(self, name: str, holder: str) -> None:
+        """The etcd lease holder of `name` as the takeover watch just read it ("" when the
+        lease has expired and nobody holds it yet): where the job's calls are forwarded."""
+        with self._lock:
+            seen = self._leaders.get(name)
+            if seen is None or seen[0] != holder:
+                self._leaders[name] = (holder, time.time())
+
+    def etcd_led(self, name: str) -> bool:
+        """True when `name`'s head is whoever holds its etcd lease (not a fixed first host)."""
+        with self._lock:
+            return name in self._leaders
 
     def stop_and_wait(self, name: str, timeout_s: float = 30.0) -> None:
         """Ends this node's share of `name` and its workers (a successor leader relaunches)."""
@@ -332,10 +362,23 @@ class Shares:
         return jobdir if jobdir.job_json.is_file() else None
 
     def head_address(self, name: str) -> str | None:
-        """The address of the daemon heading `name`, if this node ran a share of it."""
+        """The address of the daemon heading `name`, if this node ran a share of it: for an
+        etcd-mode job the holder of its lease (so every survivor forwards to a new leader as
+        soon as it holds the lease; HeadReplacingError while nobody does), else the job's
+        first host."""
         jobdir = self._jobdir(name)
         if jobdir is None:
             return None
+        with self._lock:
+            seen = self._leaders.get(name)
+        if seen is not None:
+            holder, since = seen
+            if not holder:
+                raise HeadReplacingError(
+                    f"job {name!r}: its head is being replaced (leader lease expired "
+                    f"{time.time() - since:.0f} s ago, no survivor holds it yet); retry in a "
+                    f"few seconds")
+            return holder
         try:
             hosts = JobConfig.model_validate_json(jobdir.job_json.read_text()).launch.hosts
         except ValueError:

@@ -81,7 +81,9 @@ class Standby:
         client = self._client(cfg)
         key = job_key_of_run_id(run_id)
         try:
-            if lease_holder(client, key):
+            holder = lease_holder(client, key)
+            self.shares.leader_seen(cfg.name, holder)  # where this node forwards the job's calls
+            if holder:
                 return
             record, _ = read_record(client, key)
         except etcd.EtcdException:
@@ -104,6 +106,7 @@ class Standby:
         leadership = Leadership(client, key, self.address())
         if not leadership.hold():
             return  # another node won
+        self.shares.leader_seen(cfg.name, "")  # "being replaced" until the job is stored here
         log.warning("taking over", job=cfg.name, old_leader=record.leader, token=
                     leadership.lease.term.token if leadership.lease.term else None)
         self.shares.stop_and_wait(cfg.name)

@@ -95,6 +95,25 @@ def new_leader(client, key: str, candidates: list[DaemonProc]) -> DaemonProc:
     return leader
 
 
+def survivors_answer_through_the_gap(survivors: list[DaemonProc]) -> list[str]:
+    """GetJob on each survivor, from the head's death until every one serves the job as its
+    new leader has it (the job's node one of the survivors'); the refusals met on the way."""
+    nodes = {d.argv[d.argv.index("--node-name") + 1] for d in survivors}
+    refusals: list[str] = []
+    deadline = time.monotonic() + 120
+    while True:
+        seen = []
+        for d in survivors:
+            try:
+                seen.append(d.job("fo")["node"])
+            except AssertionError as e:  # GetJob refused: code and message
+                refusals.append(str(e))
+        if len(seen) == len(survivors) and set(seen) <= nodes:
+            return refusals
+        assert time.monotonic() < deadline, (seen, refusals[-3:])
+        time.sleep(0.3)
+
+
 def test_head_node_lost_a_survivor_leads_and_the_job_completes(cluster, tmp_path):
     members, daemons = cluster
     a, b, c = daemons
@@ -107,6 +126,13 @@ def test_head_node_lost_a_survivor_leads_and_the_job_completes(cluster, tmp_path
     a.kill()
     kill_job_processes(a.state_dir)
     members[0].stop(sig_kill=True)
+
+    # through the gap each survivor answers for the job: forwarded to the lease holder, or
+    # refused as retryable with the reason (head not answering, or being replaced), never
+    # with a bare UNAVAILABLE; then both forward to (or are) the new leader
+    refusals = survivors_answer_through_the_gap([b, c])
+    for refusal in refusals:
+        assert "UNAVAILABLE" in refusal and "retry in a few seconds" in refusal, refusal
 
     # etcd says who leads now: one of the survivors, once the lease (6 s) ran out
     client = members[1].client()

@@ -10,7 +10,13 @@ import pytest
 
 from ds3d.daemon.jobdir import JobDir
 from ds3d.daemon.launcher import Launcher
-from ds3d.daemon.peers import PeerClient, PeerError, Shares, check_peer_address
+from ds3d.daemon.peers import (
+    HeadReplacingError,
+    PeerClient,
+    PeerError,
+    Shares,
+    check_peer_address,
+)
 from ds3d.daemon.reports import ReportTail
 from ds3d.daemon.store import Store
 from ds3d.trainer.config import build_job_config
@@ -44,6 +50,24 @@ def test_pull_hands_out_whole_lines_from_offsets(tmp_path):
     assert shares.pull("other", {}) is None  # no share of that job here
     assert shares.head_address("mn") == "127.0.0.1:7000"
     assert shares.head_address("other") is None and shares.names() == ["mn"]
+
+
+def test_an_etcd_led_job_is_forwarded_to_its_lease_holder(tmp_path):
+    """The takeover watch's reading of the lease decides where the job's calls go: the first
+    host no more (it may be the dead head), a clear retryable refusal while nobody leads."""
+    shares, _ = share(tmp_path)
+    assert not shares.etcd_led("mn")
+    shares.leader_seen("mn", "127.0.0.1:7000")
+    assert shares.etcd_led("mn") and shares.head_address("mn") == "127.0.0.1:7000"
+    shares.leader_seen("mn", "")  # the lease expired, nobody took it yet
+    with pytest.raises(HeadReplacingError, match=r"being replaced \(leader lease expired "
+                       r"\d+ s ago.*retry in a few seconds") as refused:
+        shares.head_address("mn")
+    assert refused.value.grpc_code == "UNAVAILABLE"
+    shares.leader_seen("mn", "127.0.0.1:7001")  # a survivor won it
+    assert shares.head_address("mn") == "127.0.0.1:7001"
+    shares.forget("mn")
+    assert not shares.etcd_led("mn") and shares.head_address("mn") == "127.0.0.1:7000"
 
 
 def test_control_files_by_name_only(tmp_path):
