@@ -684,7 +684,8 @@ def sec_restore(args) -> dict:
 
 
 # the goodput run (issue 19 goal 6): a fault every 2 minutes, NaN, crash and spike in turn
-GOODPUT_FAULTS = [(60.0, "nan"), (180.0, "crash"), (300.0, "spike")]  # s after the first step
+GOODPUT_KINDS = ["nan", "crash", "spike"]  # in turn, every --goodput-every s from half of it
+GOODPUT_EVERY_S = 120.0
 GOODPUT_WINDOW_S = 360.0  # training time measured in the faulty run
 GOODPUT_REFERENCE_S = 90.0  # ... and in the fault-free run of the same invocation
 GOODPUT_SETS = ["checkpoint.keep_last=1", "faults.spike_policy=\"rollback\"",
@@ -794,15 +795,18 @@ def _goodput_run(args, name: str, window_s: float, faults: list[tuple[float, str
 
 
 def sec_goodput(args) -> dict:
-    """Issue 19 goal 6: the bench job for 6 minutes with a fault every 2 minutes (NaN, crash,
-    spike in turn) against the same job without faults, both in this invocation."""
+    """Issue 19 goal 6: the bench job for --goodput-window s (default 6 minutes) with a fault every
+    --goodput-every s (default 2 minutes: NaN, crash, spike in turn), against the same job
+    without faults, both in this invocation."""
     k = QUICK_SCALE if args.quick else 1
     ref = _goodput_run(args, "goodput-fault-free", args.goodput_reference / k, [])
     progress("fault-free", goodput=ref.get("goodput_steps_per_s"))
     window = args.goodput_window / k
-    faulty = _goodput_run(args, "goodput-faults", window,
-                          [(at / k, kind) for at, kind in GOODPUT_FAULTS if at / k < window])
-    out = {"fault_free": ref, "faulty": faulty, "sets": GOODPUT_SETS}
+    every = args.goodput_every / k
+    faults = [(every / 2 + i * every, kind) for i, kind in enumerate(GOODPUT_KINDS)]
+    faulty = _goodput_run(args, "goodput-faults", window, [f for f in faults if f[0] < window])
+    out = {"fault_free": ref, "faulty": faulty, "sets": GOODPUT_SETS,
+           "fault_every_s": args.goodput_every}
     if "goodput_steps_per_s" in ref and "goodput_steps_per_s" in faulty:
         out["goodput_vs_fault_free"] = faulty["goodput_steps_per_s"] / ref["goodput_steps_per_s"]
         out["lost_s"] = window - faulty["useful_steps"] / ref["goodput_steps_per_s"]
@@ -995,6 +999,8 @@ def main() -> None:
                     help="seconds of training measured in the goodput section's faulty run")
     ap.add_argument("--goodput-reference", type=float, default=GOODPUT_REFERENCE_S,
                     help="... and in its fault-free run")
+    ap.add_argument("--goodput-every", type=float, default=GOODPUT_EVERY_S,
+                    help="seconds between the faults (NaN, crash, spike), the first at half")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--section-timeout", type=float, default=420.0,
                     help="seconds after which a section is killed (default 420)")
@@ -1028,7 +1034,8 @@ def main() -> None:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--section", name, "--device",
                args.device, "--steps", str(args.steps), "--warmup", str(args.warmup),
                "--work", work, "--goodput-window", str(args.goodput_window),
-               "--goodput-reference", str(args.goodput_reference)] + \
+               "--goodput-reference", str(args.goodput_reference),
+               "--goodput-every", str(args.goodput_every)] + \
             (["--quick"] if args.quick else []) + \
             (["--profile-dir", args.profile_dir] if args.profile_dir else [])
         if peak.get("bf16_matmul_tflops"):
