@@ -20,6 +20,7 @@ step here still needs its parts or local files)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,9 +34,8 @@ from ds3d.trainer.config import JobConfig
 from ds3d.trainer.kinds import RecordKind
 from ds3d.trainer.report import Reporter
 
-from .ckpt_index import job_storage
+from .ckpt_index import config_storage
 from .logging import get_logger
-from .store import Job
 
 # markers whose upload will never be retried (checkpoints/upload.py `Uploader._process`)
 _GIVEN_UP = ("abandoned:", "local files unreadable:")
@@ -76,23 +76,24 @@ class BacklogUpload:
     threads, retrying with backoff while the store is down. `pending()` empties once every step
     is committed (rank 0) or uploaded (other ranks), or given up as abandoned."""
 
-    def __init__(self, job: Job, cfg: JobConfig, run_dir: Path, local_dir: Path,
-                 storage: Storage | None = None, retry_s: float = RETRY_S,
+    def __init__(self, cfg: JobConfig, job_id: str, run_dir: Path, local_dir: Path,
+                 restart: int = 0, storage: Storage | None = None, retry_s: float = RETRY_S,
                  max_retry_s: float = MAX_RETRY_S) -> None:
-        self.job_name, self.job_id, self.cfg = job.name, job.job_id, cfg
+        self.job_name, self.job_id, self.cfg = cfg.name, job_id, cfg
         self.run_dir, self.local_dir = run_dir, local_dir
-        self.log = get_logger("ds3d.backlog", job=job.name)
+        self.log = get_logger("ds3d.backlog", job=cfg.name)
         found = local_backlog(local_dir)
         self.steps = sorted({p.step for p in found})
         self.errors: dict[int, str] = {p.step: p.error for p in found if p.error}
         self.committed: list[int] = []
         self.abandoned: list[int] = []
         self.started = time.time()
-        self.storage = storage or job_storage(job)
+        self.storage = storage or config_storage(cfg, run_dir)
         self._reporters: dict[int, Reporter] = {}
         self._uploaders: list[Uploader] = []
+        self._closed = False
         for rank in sorted({p.rank for p in found}):
-            self._reporters[rank] = Reporter(run_dir, rank, job.restarts)
+            self._reporters[rank] = Reporter(run_dir, rank, restart)
             up = Uploader(self.storage, local_dir, rank, cfg.parallel.world_size,
                           committer=rank == 0, retry_interval=retry_s,
                           max_retry_interval=max_retry_s, on_event=self._on_event)
@@ -102,12 +103,34 @@ class BacklogUpload:
                       ranks=sorted(self._reporters))
 
     @classmethod
-    def start_if_needed(cls, job: Job, cfg: JobConfig, run_dir: Path,
-                        local_dir: Path) -> BacklogUpload | None:
+    def start_if_needed(cls, cfg: JobConfig, job_id: str, run_dir: Path, local_dir: Path,
+                        restart: int = 0) -> BacklogUpload | None:
         """A running backlog upload, or None when this node has nothing left to upload."""
         if not local_backlog(local_dir):
             return None
-        return cls(job, cfg, run_dir, local_dir)
+        return cls(cfg, job_id, run_dir, local_dir, restart)
+
+    def not_durable(self) -> list[int]:
+        """Steps of this backlog (not abandoned) whose MANIFEST the store does not hold: with
+        this node's parts uploaded, a step whose rank 0 runs on another node waits for that
+        node's daemon to commit it. All of them while the store cannot be read."""
+        steps = [s for s in self.steps if s not in self.abandoned]
+        try:
+            return [s for s in steps if not self.storage.exists(layout.manifest_key(s))]
+        except Ds3dError:
+            return steps
+
+    def finish_when_done(self, every_s: float = 1.0) -> None:
+        """For a node that does not decide the job's end (a share node): a thread that calls
+        `finish` once nothing is pending here."""
+        def watch() -> None:
+            while self.pending() and not self._closed:
+                time.sleep(every_s)
+            if not self._closed:
+                self.finish()
+                self.log.info("backlog_upload_done", committed=sorted(self.committed),
+                              abandoned=sorted(self.abandoned))
+        threading.Thread(target=watch, name=f"backlog-{self.job_name}", daemon=True).start()
 
     def pending(self) -> list[int]:
         """Steps still queued, in flight or failed and waiting for a retry, on any rank here."""
@@ -156,6 +179,9 @@ class BacklogUpload:
 
     def close(self) -> None:
         """Stops the threads after the attempt in flight; what is left stays in the markers."""
+        if self._closed:
+            return
+        self._closed = True
         for up in self._uploaders:
             up.close(timeout=10)
         for rep in self._reporters.values():

@@ -23,6 +23,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ds3d.checkpoints.catalog import Catalog, CheckpointInfo, CkptState
@@ -56,8 +57,13 @@ class Reconciliation:
 
 def job_storage(job: Job) -> Storage:
     """The job's store prefix, opened as its workers open it."""
-    cfg = JobConfig.model_validate_json(job.config_json)
-    url = job_store_url(cfg.checkpoint.store, cfg.name, job.run_dir)
+    return config_storage(JobConfig.model_validate_json(job.config_json), job.run_dir)
+
+
+def config_storage(cfg: JobConfig, run_dir: str | Path) -> Storage:
+    """The store prefix of the job `cfg` run from `run_dir` on this node (a share node has no
+    stored job, only its configuration)."""
+    url = job_store_url(cfg.checkpoint.store, cfg.name, run_dir)
     options: dict[str, Any] = {}
     if url.startswith("s3://"):
         from ds3d.checkpoints.s3_storage import options_from_settings

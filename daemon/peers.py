@@ -32,12 +32,14 @@ from typing import Any
 
 import grpc
 
+from ds3d.checkpoints.identity import local_job_id
 from ds3d.trainer.config import JobConfig
 from ds3d.trainer.errors import ConfigError, Ds3dError, StateError, StorageError
 from ds3d.v1 import control_pb2 as pb
 from ds3d.v1 import control_pb2_grpc as pb_grpc
 
 from .auth import TlsFiles, is_local_address
+from .backlog_upload import BacklogUpload
 from .errors import ANSWERED_BY
 from .jobdir import JobDir
 from .launcher import AgentHandle, Launcher, kill_strays
@@ -245,6 +247,8 @@ class Shares:
         # etcd-mode jobs: (lease holder as the takeover watch last read it, "" for nobody;
         # the wall time it changed to that), by job
         self._leaders: dict[str, tuple[str, float]] = {}
+        # shares whose workers exited with checkpoints not durable yet (daemon/backlog_upload.py)
+        self._backlogs: dict[str, BacklogUpload | None] = {}  # None: nothing was left
         self._lock = threading.Lock()
 
     def start(self, req: pb.StartShareRequest) -> AgentHandle:
@@ -261,6 +265,9 @@ class Shares:
             old = self._agents.get(cfg.name)
             if old is not None and old.poll() is None:
                 old.ref.terminate()
+            backlog = self._backlogs.pop(cfg.name, None)
+            if backlog is not None:  # the new workers resume those uploads themselves
+                backlog.close()
             # its workers too (own sessions): none may hold the job's build lock at the start
             kill_strays(jobdir.path)
             jobdir.create(cfg.dump_json())
@@ -437,9 +444,36 @@ class Shares:
         out = []
         for name, h in items:
             code = h.poll()
+            if code is not None:
+                self._upload_backlog(name)
             out.append(pb.ShareStatus(job=name, agent_alive=code is None, agent_pid=h.ref.pid,
                                       exit_code=-1 if code is None else code))
         return out
+
+    def _upload_backlog(self, name: str) -> None:
+        """This node's share of `name` has exited: its ranks' checkpoints not durable yet are
+        uploaded (and, holding rank 0, committed) by this daemon, as the head does for its own
+        (daemon/backlog_upload.py); once, until the next StartShare."""
+        with self._lock:
+            if name in self._backlogs:
+                return
+        jobdir = self._jobdir(name)
+        if jobdir is None:
+            return
+        try:
+            cfg = JobConfig.model_validate_json(jobdir.job_json.read_text())
+            local = Path(cfg.checkpoint.local_dir) if cfg.checkpoint.local_dir else jobdir.ckpt
+            backlog = BacklogUpload.start_if_needed(cfg, local_job_id(jobdir.path) or "",
+                                                    jobdir.path, local)
+        except (Ds3dError, OSError, ValueError) as e:
+            log.warning("share backlog not uploaded", job=name, error=str(e))
+            return
+        with self._lock:
+            self._backlogs[name] = backlog
+        if backlog is None:
+            return
+        backlog.finish_when_done()
+        log.info("share backlog uploading", job=name, steps=backlog.steps)
 
     def stop_all(self) -> None:
         """Daemon shutdown: shares keep running (like the daemon's own agents)."""

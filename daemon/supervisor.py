@@ -363,8 +363,8 @@ class JobSupervisor:
         the next one ingests the backlog's last records before the job ends."""
         if self.backlog is None:
             cfg = self._config(job)
-            self.backlog = BacklogUpload.start_if_needed(job, cfg, self.jobdir.path,
-                                                         self._local_dir(job))
+            self.backlog = BacklogUpload.start_if_needed(cfg, job.job_id, self.jobdir.path,
+                                                         self._local_dir(job), job.restarts)
             if self.backlog is None:
                 return True
             self.store.record(self.name, EventKind.CHECKPOINT,
@@ -373,10 +373,13 @@ class JobSupervisor:
                               f"the job becomes {end.name}", cause="backlog",
                               step=self.backlog.steps[-1],
                               detail={"steps": self.backlog.steps, "end": end.name})
-        if self.backlog.pending():
-            message = self.backlog.describe()
-            if job.message != message:
-                self.store.update(self.name, message=message)
+        waiting = self.backlog.describe() if self.backlog.pending() else None
+        if waiting is None and (others := self.backlog.not_durable()):
+            waiting = (f"final checkpoint step {others[-1]}: this node's parts are in the "
+                       f"store; waits for the node of rank 0 to commit steps {others}")
+        if waiting is not None:
+            if job.message != waiting:
+                self.store.update(self.name, message=waiting)
             return False
         backlog, self.backlog = self.backlog, None
         backlog.finish()

@@ -20,16 +20,16 @@ import pytest
 from ds3d.checkpoints import layout
 from ds3d.checkpoints.catalog import Catalog, CkptState
 
-from test_daemon_support import DaemonProc, worker_procs
+from test_daemon_support import DaemonProc, loopback_nodes, worker_procs
 
 pytest_plugins = ["fixtures.s3", "fixtures.rgw"]
-pytestmark = [pytest.mark.rgw, pytest.mark.slow, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.rgw, pytest.mark.slow, pytest.mark.timeout(600)]
 
 STEPS, INTERVAL = 200, 50
 
 
-def _manifest_exists(client: Any, bucket: str, step: int) -> bool:
-    key = f"jobs/bk/{layout.manifest_key(step)}"
+def _manifest_exists(client: Any, bucket: str, step: int, name: str = "bk") -> bool:
+    key = f"jobs/{name}/{layout.manifest_key(step)}"
     return bool(client.list_objects_v2(Bucket=bucket, Prefix=key).get("KeyCount"))
 
 
@@ -88,3 +88,49 @@ def test_backlog_is_uploaded_by_the_daemon_after_the_workers_exit(
     committed = [c.step for c in catalog.list() if c.state is CkptState.COMMITTED]
     assert max(committed) == STEPS, committed
     assert catalog.verify(STEPS, checksums=True) == [], catalog.verify(STEPS, checksums=True)
+
+
+def test_each_node_uploads_its_ranks_and_rank_0s_node_commits(
+        rgw_cluster: Any, rgw_server: Any, rgw_bucket: str, make_rgw_storage: Any,
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two daemons as two nodes (DP 2): global rank 0 runs on B, the share node, rank 1 on the
+    head A. After the workers exit during the outage, A uploads rank 1's files and B's daemon
+    rank 0's, and B commits; A keeps the job RUNNING until the final MANIFEST is in the store."""
+    env = {**rgw_server.env(), "DS3D_S3_MAX_ATTEMPTS": "1", "DS3D_S3_OUTAGE_RETRIES": "1"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with loopback_nodes(tmp_path) as (a, b):
+        r = a.ctl("start", "tiny", "--name", "mb", "--dp", "2", "--steps", str(STEPS),
+                  "--hosts", f"{a.addr},{b.addr}",
+                  "--set", f"checkpoint.interval={INTERVAL}",
+                  "--set", "checkpoint.store_wait_s=2",
+                  "--set", f'checkpoint.store="s3://{rgw_bucket}/jobs"')
+        assert r.returncode == 0, r.stderr
+        client = rgw_server.client()
+        deadline = time.monotonic() + 300
+        while not _manifest_exists(client, rgw_bucket, INTERVAL, "mb"):
+            assert time.monotonic() < deadline, a.job("mb")
+            time.sleep(0.2)
+        head_dir, share_dir = a.state_dir / "jobs" / "mb", b.state_dir / "shares" / "mb"
+        with rgw_cluster.gateway_down():
+            assert a.job("mb")["step"] < STEPS, "trained to the end before the outage"
+            job = a.wait_for("mb", lambda j: "final checkpoint step" in j["message"],
+                             "the backlog named in the status", timeout_s=300)
+            assert job["state"] == "RUNNING", job
+            assert f"final checkpoint step {STEPS} waits for the store" in job["message"], job
+            deadline = time.monotonic() + 60
+            while worker_procs(head_dir) or worker_procs(share_dir):
+                assert time.monotonic() < deadline, "the workers should have exited"
+                time.sleep(0.5)
+        done = a.wait_state("mb", "COMPLETED", "FAILED", "STOPPED", timeout_s=240)
+        assert done["state"] == "COMPLETED", done
+        assert done["step"] == STEPS and done["last_checkpoint_step"] == STEPS, done
+    # rank 0 (and so the commit) was on B: B's daemon uploaded its part and committed
+    rank0 = (share_dir / "reports" / "rank-00000.jsonl").read_text()
+    assert f'"step":{STEPS},"phase":"committed","source":"ds3dd"' in rank0
+    rank1 = (head_dir / "reports" / "rank-00001.jsonl").read_text()
+    assert f'"step":{STEPS},"phase":"uploaded","source":"ds3dd"' in rank1
+    catalog = Catalog(make_rgw_storage("jobs/mb"), None)
+    committed = [c.step for c in catalog.list() if c.state is CkptState.COMMITTED]
+    assert max(committed) == STEPS, committed
+    assert catalog.verify(STEPS, checksums=True) == []
