@@ -134,3 +134,32 @@ def test_each_node_uploads_its_ranks_and_rank_0s_node_commits(
     committed = [c.step for c in catalog.list() if c.state is CkptState.COMMITTED]
     assert max(committed) == STEPS, committed
     assert catalog.verify(STEPS, checksums=True) == []
+
+
+def test_stop_now_does_not_wait_and_names_the_local_only_steps(
+        rgw_cluster: Any, rgw_server: Any, rgw_bucket: str, tmp_path: Path) -> None:
+    """`stop --now` while the daemon waits for the store ends the job STOPPED at once; its
+    message names the checkpoints left only on the local tier."""
+    env = {**rgw_server.env(), "DS3D_S3_MAX_ATTEMPTS": "1", "DS3D_S3_OUTAGE_RETRIES": "1"}
+    with DaemonProc(tmp_path / "state", extra_env=env) as d:
+        r = d.ctl("start", "tiny", "--name", "sn", "--steps", str(STEPS),
+                  "--set", f"checkpoint.interval={INTERVAL}",
+                  "--set", "checkpoint.store_wait_s=2",
+                  "--set", f'checkpoint.store="s3://{rgw_bucket}/jobs"')
+        assert r.returncode == 0, r.stderr
+        client = rgw_server.client()
+        deadline = time.monotonic() + 240
+        while not _manifest_exists(client, rgw_bucket, INTERVAL, "sn"):
+            assert time.monotonic() < deadline, d.job("sn")
+            time.sleep(0.2)
+        with rgw_cluster.gateway_down():
+            assert d.job("sn")["step"] < STEPS, "trained to the end before the outage"
+            d.wait_for("sn", lambda j: "final checkpoint step" in j["message"],
+                       "the backlog named in the status", timeout_s=240)
+            r = d.ctl("stop", "sn", "--now")
+            assert r.returncode == 0, r.stderr
+            done = d.wait_state("sn", "STOPPED", "COMPLETED", "FAILED", timeout_s=60)
+        assert done["state"] == "STOPPED", done
+        assert "stay only in this node's local tier" in done["message"], done
+        assert f"{STEPS}]" in done["message"], done
+        assert not _manifest_exists(client, rgw_bucket, STEPS, "sn")
