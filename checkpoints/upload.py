@@ -295,6 +295,9 @@ class Uploader:
         self._known: set[int] = set()
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
+        # a job's local marker and record are written, or dropped with its files, one at a time:
+        # a drop between a worker thread's "not dropped?" and its write would see them re-created
+        self._local_state = threading.Lock()
         self._busy = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"ds3d-upload-r{rank}", daemon=True)
@@ -321,16 +324,17 @@ class Uploader:
         local-complete record are deleted, so no restart restores or uploads them and a new save
         of the same step starts clean. An upload already in flight finishes; its part is never
         committed, and retention's sweep removes it. Returns the steps dropped."""
-        with self._lock:
-            jobs = [j for s, j in self._jobs.items() if s > step]
-            for job in jobs:
-                job.dropped = True
-                self._known.discard(job.step)
-                self._jobs.pop(job.step, None)
-                self._failed.pop(job.step, None)  # a failed job holds no busy count
-        steps = sorted({j.step for j in jobs} | self._stale_local_steps(step))
-        for s in steps:
-            self._delete_local(s)
+        with self._local_state:
+            with self._lock:
+                jobs = [j for s, j in self._jobs.items() if s > step]
+                for job in jobs:
+                    job.dropped = True
+                    self._known.discard(job.step)
+                    self._jobs.pop(job.step, None)
+                    self._failed.pop(job.step, None)  # a failed job holds no busy count
+            steps = sorted({j.step for j in jobs} | self._stale_local_steps(step))
+            for s in steps:
+                self._delete_local(s)
         if steps:
             log.info("checkpoint_local_dropped", rank=self.rank, restored=step, steps=steps)
         return steps
@@ -375,7 +379,10 @@ class Uploader:
             return
         try:
             job.entries = file_entries(self.local_dir, job.files)
-            write_record(self.local_dir, job.step, self.rank, job.entries, job.meta)
+            with self._local_state:
+                if job.dropped:
+                    return
+                write_record(self.local_dir, job.step, self.rank, job.entries, job.meta)
         except (OSError, ValueError) as e:  # files gone: the upload thread abandons it
             log.warning("checkpoint_local_unverified", step=job.step, rank=self.rank,
                         detail=str(e))
@@ -543,8 +550,10 @@ class Uploader:
 
     def _mark(self, job: _Job, state: MarkerState, error: str | None = None) -> None:
         """The job's local marker, unless a restore dropped it (its marker is gone for good)."""
-        if not job.dropped:
-            write_marker(self.local_dir, job.step, self.rank, state, job.files, job.meta, error)
+        with self._local_state:
+            if not job.dropped:
+                write_marker(self.local_dir, job.step, self.rank, state, job.files, job.meta,
+                             error)
 
     def _retry_later(self, job: _Job, t0: float, e: Ds3dError) -> None:
         """Terminal and retryable errors alike: the local copy is kept, and a later attempt

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from ds3d.checkpoints import layout
@@ -133,3 +134,41 @@ def test_drop_newer_than_stops_uploads_and_deletes_local_copies(tmp_path: Path) 
     assert read_marker(layout.local_rank_marker(local, 5, 0)) is None  # not re-created
     assert "abandoned" in [e.kind for e in events if e.step == 5]
     assert not storage.exists(layout.part_key(10, 0))  # never uploaded
+
+
+def test_a_drop_while_a_marker_is_written_leaves_no_marker(tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restore's drop that comes between the upload thread's "still wanted?" check and its
+    marker write waits for that write and then deletes it: the dropped step leaves no marker
+    (once seen in CI: an `uploaded` marker re-created after the drop)."""
+    import threading
+
+    from ds3d.checkpoints import upload
+
+    storage = open_storage(f"file://{tmp_path}/store")
+    local = tmp_path / "local"
+    real_write = upload.write_marker
+    up = Uploader(storage, local, 0, 2, commit_timeout=120)
+    dropper: list[threading.Thread] = []
+
+    def write_marker_with_a_drop(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if args[3] == "uploaded" and not dropper:  # the drop arrives now, mid-write
+            dropper.append(threading.Thread(target=up.drop_newer_than, args=(-1,)))
+            dropper[0].start()
+            time.sleep(0.5)
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(upload, "write_marker", write_marker_with_a_drop)
+    try:
+        files = write_fake_checkpoint(local, 5, 2)[0]
+        up.submit(5, files, meta_for(5, 2).model_copy(update={"job_id": JOB_ID}))
+        deadline = time.monotonic() + 30
+        while not dropper and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert dropper, "the upload never reached its `uploaded` marker"
+        dropper[0].join(30)
+        assert up.wait(30)
+    finally:
+        up.close(10)
+    assert read_marker(layout.local_rank_marker(local, 5, 0)) is None
+    assert read_record(local, 5, 0) is None
