@@ -52,12 +52,25 @@ def torchrun(run_dir: Path, nproc: int, config: str = "tiny", sets: list[str] | 
     proc = subprocess.run([sys.executable, "-m", "ds3d.daemon.agent", "--spec", str(spec_file)],
                           env=worker_env(DS3D_RUN_DIR=str(run_dir), **(env or {})),
                           capture_output=True, text=True, timeout=timeout)
-    workers = [f.read_text(errors="replace") for f in sorted(logs.glob("**/std*.log"))]
-    (run_dir / "torchrun.log").write_text(proc.stdout + proc.stderr + "".join(workers))
+    logs_by_rank = {f.relative_to(logs).as_posix(): f.read_text(errors="replace")
+                    for f in sorted(logs.glob("**/std*.log"))}
+    (run_dir / "torchrun.log").write_text(proc.stdout + proc.stderr +
+                                          "".join(logs_by_rank.values()))
     if proc.returncode != 0:
-        raise AssertionError(f"agent exited {proc.returncode}:\n{proc.stderr[-2000:]}\n"
-                             + "".join(w[-2000:] for w in workers))
+        raise AssertionError(f"agent exited {proc.returncode}:\n{proc.stderr[-3000:]}\n"
+                             + "".join(_failure_excerpt(name, text)
+                                       for name, text in logs_by_rank.items()))
     return proc
+
+
+def _failure_excerpt(name: str, text: str) -> str:
+    """A worker log's last lines and, when it holds one, its last traceback whole: the rank
+    that failed first is the one to read, and its error is rarely in the last 2000 chars."""
+    cut = text.rfind("Traceback (most recent call last)")
+    tail = text[-2000:]
+    if cut >= 0 and cut < len(text) - 2000:
+        tail = text[cut:cut + 4000] + "\n[...]\n" + tail
+    return f"\n--- {name} ---\n{tail}"
 
 
 def records(run_dir: Path, rank: int = 0, kind: str | None = None) -> list[dict[str, Any]]:
