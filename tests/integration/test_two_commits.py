@@ -118,13 +118,17 @@ def test_crash_before_the_durable_commit_restarts_from_the_local_copy(
     client = moto_server.client()
     durable, local = crash_after_local_complete(run, store, env, client, s3_bucket)
 
-    # the restart at full bandwidth: the slow store only had to open the crash window
-    torchrun(run, 2, sets=SETS + [store], env=moto_server.env(), timeout=300)
+    # the restart at full bandwidth: the slow store only had to open the crash window. It runs
+    # past STEPS: on a loaded machine the first run can reach its last step (and wait there
+    # for the store) before the crash, and the restart must still have steps to train
+    end = STEPS + 10
+    torchrun(run, 2, sets=SETS + [store, f"train.steps={end}"], env=moto_server.env(),
+             timeout=300)
     starts, restoring = restart_records(run)
     assert starts == [0, local], starts  # at most one interval lost, not everything since 5
     assert restoring[-1]["step"] == local and restoring[-1]["durable"] is False
     # the local-complete checkpoint it restored from became durable later, as did the last
-    assert {local, STEPS} <= committed_in_store(client, s3_bucket)
+    assert {local, end} <= committed_in_store(client, s3_bucket)
     lost = [r for r in records(run, 0, "step") if r["step"] > local]
     assert lost and min(r["step"] for r in lost) == local + 1
 
