@@ -39,19 +39,25 @@ def torchrun(run_dir: Path, nproc: int, config: str = "tiny", sets: list[str] | 
     control.mkdir(parents=True, exist_ok=True)
     logs = run_dir / "logs" / "torchrun"
     spec_file = control / "torchrun-agent.json"
-    AgentSpec(run_dir=str(run_dir), run_id=run_dir.name, min_nodes=1, max_nodes=1,
-              nproc_per_node=nproc, rdzv_endpoint=f"127.0.0.1:{free_port()}",
-              rdzv_configs={**RDZV_CONFIGS, "is_host": True}, max_restarts=max_restarts,
-              worker_args=args, log_dir=str(logs),
-              result_file=str(control / "torchrun-agent.exit"),
-              pid_file=str(control / "torchrun-agent.pid"), local_addr="127.0.0.1",
-              # the job's own op build folder, seeded from the warm cache (as ds3dd does): a
-              # worker killed in one test while it loads an op cannot leave a lock for others
-              extensions_dir=str(run_dir / "torch_extensions"),
-              warm_extensions_dir=os.environ.get("TORCH_EXTENSIONS_DIR")).write(spec_file)
-    proc = subprocess.run([sys.executable, "-m", "ds3d.daemon.agent", "--spec", str(spec_file)],
-                          env=worker_env(DS3D_RUN_DIR=str(run_dir), **(env or {})),
-                          capture_output=True, text=True, timeout=timeout)
+    for attempt in range(3):
+        AgentSpec(run_dir=str(run_dir), run_id=run_dir.name, min_nodes=1, max_nodes=1,
+                  nproc_per_node=nproc, rdzv_endpoint=f"127.0.0.1:{free_port()}",
+                  rdzv_configs={**RDZV_CONFIGS, "is_host": True}, max_restarts=max_restarts,
+                  worker_args=args, log_dir=str(logs),
+                  result_file=str(control / "torchrun-agent.exit"),
+                  pid_file=str(control / "torchrun-agent.pid"), local_addr="127.0.0.1",
+                  # the job's own op build folder, seeded from the warm cache (as ds3dd does):
+                  # a worker killed in one test while it loads an op leaves no lock for others
+                  extensions_dir=str(run_dir / "torch_extensions"),
+                  warm_extensions_dir=os.environ.get("TORCH_EXTENSIONS_DIR")).write(spec_file)
+        proc = subprocess.run([sys.executable, "-m", "ds3d.daemon.agent", "--spec",
+                               str(spec_file)],
+                              env=worker_env(DS3D_RUN_DIR=str(run_dir), **(env or {})),
+                              capture_output=True, text=True, timeout=timeout)
+        # the free port was taken by a parallel test before the agent's rendezvous bound it:
+        # no worker started, so the same job is launched again on another port
+        if proc.returncode == 0 or "EADDRINUSE" not in proc.stderr or attempt == 2:
+            break
     logs_by_rank = {f.relative_to(logs).as_posix(): f.read_text(errors="replace")
                     for f in sorted(logs.glob("**/std*.log"))}
     (run_dir / "torchrun.log").write_text(proc.stdout + proc.stderr +
