@@ -33,6 +33,16 @@ def _manifest_exists(client: Any, bucket: str, step: int, name: str = "bk") -> b
     return bool(client.list_objects_v2(Bucket=bucket, Prefix=key).get("KeyCount"))
 
 
+def _wait_for_first_commit(daemon: Any, client: Any, bucket: str, name: str,
+                           timeout_s: float) -> None:
+    """Until the job's first checkpoint (step INTERVAL) is committed in the store: the outage
+    of each test starts after it, so an older durable checkpoint always exists."""
+    deadline = time.monotonic() + timeout_s
+    while not _manifest_exists(client, bucket, INTERVAL, name):
+        assert time.monotonic() < deadline, daemon.job(name)
+        time.sleep(0.2)
+
+
 def test_backlog_is_uploaded_by_the_daemon_after_the_workers_exit(
         rgw_cluster: Any, rgw_server: Any, rgw_bucket: str, make_rgw_storage: Any,
         tmp_path: Path) -> None:
@@ -46,10 +56,7 @@ def test_backlog_is_uploaded_by_the_daemon_after_the_workers_exit(
         assert r.returncode == 0, r.stderr
         run_dir = tmp_path / "state" / "jobs" / "bk"
         client = rgw_server.client()
-        deadline = time.monotonic() + 240
-        while not _manifest_exists(client, rgw_bucket, INTERVAL):
-            assert time.monotonic() < deadline, d.job("bk")
-            time.sleep(0.2)
+        _wait_for_first_commit(d, client, rgw_bucket, "bk", timeout_s=240)
         with rgw_cluster.gateway_down():
             at_outage = d.job("bk")["step"]
             assert at_outage < STEPS, f"trained to the end ({at_outage}) before the outage"
@@ -107,10 +114,7 @@ def test_each_node_uploads_its_ranks_and_rank_0s_node_commits(
                   "--set", f'checkpoint.store="s3://{rgw_bucket}/jobs"')
         assert r.returncode == 0, r.stderr
         client = rgw_server.client()
-        deadline = time.monotonic() + 300
-        while not _manifest_exists(client, rgw_bucket, INTERVAL, "mb"):
-            assert time.monotonic() < deadline, a.job("mb")
-            time.sleep(0.2)
+        _wait_for_first_commit(a, client, rgw_bucket, "mb", timeout_s=300)
         head_dir, share_dir = a.state_dir / "jobs" / "mb", b.state_dir / "shares" / "mb"
         with rgw_cluster.gateway_down():
             assert a.job("mb")["step"] < STEPS, "trained to the end before the outage"
@@ -148,10 +152,7 @@ def test_stop_now_does_not_wait_and_names_the_local_only_steps(
                   "--set", f'checkpoint.store="s3://{rgw_bucket}/jobs"')
         assert r.returncode == 0, r.stderr
         client = rgw_server.client()
-        deadline = time.monotonic() + 240
-        while not _manifest_exists(client, rgw_bucket, INTERVAL, "sn"):
-            assert time.monotonic() < deadline, d.job("sn")
-            time.sleep(0.2)
+        _wait_for_first_commit(d, client, rgw_bucket, "sn", timeout_s=240)
         with rgw_cluster.gateway_down():
             assert d.job("sn")["step"] < STEPS, "trained to the end before the outage"
             d.wait_for("sn", lambda j: "final checkpoint step" in j["message"],
