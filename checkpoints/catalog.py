@@ -152,20 +152,20 @@ class Catalog:
         if self.local_dir is None or not self.local_dir.is_dir():
             return out
         for entry in self.local_dir.iterdir():
-            if m := _TAG_RE.match(entry.name):
-                out[int(m.group(1))] = max(out.get(int(m.group(1)), 0.0), entry.stat().st_mtime)
+            if (m := _TAG_RE.match(entry.name)) and (st := _stat(entry)):
+                out[int(m.group(1))] = max(out.get(int(m.group(1)), 0.0), st.st_mtime)
         state = self.local_dir / layout.LOCAL_STATE_DIR
         if state.is_dir():
             for entry in state.iterdir():
-                if m := _STEP_DIR_RE.match(entry.name):
-                    out[int(m.group(1))] = max(out.get(int(m.group(1)), 0.0), entry.stat().st_mtime)
+                if (m := _STEP_DIR_RE.match(entry.name)) and (st := _stat(entry)):
+                    out[int(m.group(1))] = max(out.get(int(m.group(1)), 0.0), st.st_mtime)
         return out
 
     def _local_size(self, step: int) -> int:
         assert self.local_dir is not None
         total = 0
         for dirpath, _dirs, names in os.walk(self.local_dir / self._local_tag(step)):
-            total += sum((Path(dirpath) / n).stat().st_size for n in names)
+            total += sum(st.st_size for n in names if (st := _stat(Path(dirpath) / n)))
         return total
 
     def _local_tag(self, step: int) -> str:
@@ -480,3 +480,12 @@ def _local_matches(path: Path, entry: FileEntry, checksums: bool) -> bool:
         return False
     return not checksums or hash_file(path) == entry.sha256
 
+
+def _stat(path: Path) -> os.stat_result | None:
+    """The file's stat, None once it is gone: the local tier is shared by the node's ranks,
+    and another rank's retention or rollback may delete a step while this one lists it (a CI
+    run failed a spike drill on a FileNotFoundError here)."""
+    try:
+        return path.stat()
+    except FileNotFoundError:
+        return None

@@ -82,8 +82,8 @@ class Standby:
         key = job_key_of_run_id(run_id)
         try:
             holder = lease_holder(client, key)
-            self.shares.leader_seen(cfg.name, holder)  # where this node forwards the job's calls
             if holder:
+                self.shares.leader_seen(cfg.name, holder)  # where this node forwards its calls
                 return
             record, _ = read_record(client, key)
         except etcd.EtcdException:
@@ -91,8 +91,11 @@ class Standby:
         if record is None or record.name != cfg.name:
             return
         if not record.live:
-            self.shares.forget(cfg.name)  # ended: nothing to take over, no more reads
+            # ended (its leader writes the terminal record, then gives the lease up): calls go
+            # to the job's first host again, never "being replaced"
+            self.shares.forget(cfg.name)
             return
+        self.shares.leader_seen(cfg.name, "")  # a live job without a leader: being replaced
         if record.desired_state != JobState.RUNNING.name:
             return  # paused (or pausing): it waits for its leader, nothing to supervise now
         local = self.store.get_job(cfg.name) if self.store.has_job(cfg.name) else None

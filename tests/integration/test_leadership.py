@@ -158,3 +158,58 @@ def test_a_deposed_leaders_record_write_is_refused_by_etcd(etcd_server, tmp_path
     assert record.state == JobState.PENDING.name and record.live
     new.release()
     store.close()
+
+
+def test_a_share_of_an_ended_job_is_never_told_its_head_is_being_replaced(etcd_server,
+                                                                          tmp_path,
+                                                                          monkeypatch):
+    """A job's leader writes the terminal record, then gives its lease up. A share's takeover
+    watch that reads the lease in between finds nobody holding it: it must not tell the
+    node's clients the head "is being replaced" (a job that ended has no successor) while it
+    reads the record, and once it has, calls go to the job's first host again. (A CI run
+    failed the head-failover drill on that window: the other survivor's GetJob right after
+    COMPLETED was refused as retryable.)"""
+    from ds3d.daemon import takeover
+    from ds3d.daemon.jobdir import JobDir
+    from ds3d.daemon.launcher import Launcher
+    from ds3d.daemon.peers import Shares
+    from ds3d.trainer.config import build_job_config
+
+    hosts = '["127.0.0.1:7000", "127.0.0.1:7001"]'
+    cfg = build_job_config("tiny", [f"launch.hosts={hosts}", "launch.nnodes=2", "parallel.dp=2",
+                                    'checkpoint.store="file:///tmp/x"',
+                                    f'launch.rendezvous="{etcd_server.url}"'], name="fo")
+    JobDir(tmp_path / "shares", "fo").create(cfg.dump_json())
+    shares = Shares(tmp_path / "shares", Launcher())
+    job_id = "fedcba9876543210" * 2
+    run_id = rendezvous_run_id("fo", 1, job_id, etcd=True)
+    key = job_key_of_run_id(run_id)
+
+    store = Store(tmp_path / "ds3d.db")
+    store.create_job("fo", cfg.dump_json(), "node-a", str(tmp_path), job_id=job_id)
+    leader = Leadership(etcd_server.client(), key, "127.0.0.1:7000")
+    assert leader.hold() and leader.publish(store.get_job("fo"), store)
+    shares.leader_seen("fo", "127.0.0.1:7000")  # the watch's reading while the job trained
+    assert shares.head_address("fo") == "127.0.0.1:7000"
+    # the job ends: terminal record first, then the lease given up
+    client = etcd_server.client()
+    record = JobRecord.parse(client.read(f"{key}/record").value)
+    record.state = record.desired_state = JobState.COMPLETED.name
+    client.write(f"{key}/record", record.dump())
+    leader.release()
+
+    answers = []
+    real_read_record = takeover.read_record
+
+    def read_record_while_clients_call(client, k):
+        answers.append(shares.head_address("fo"))  # raises HeadReplacingError if refused
+        return real_read_record(client, k)
+
+    monkeypatch.setattr(takeover, "read_record", read_record_while_clients_call)
+    standby = takeover.Standby(store, shares, tmp_path / "jobs", "node-b",
+                               adopt=lambda *a: pytest.fail("an ended job was taken over"),
+                               address=lambda: "127.0.0.1:7001")
+    standby._check(cfg, run_id)
+    assert answers == ["127.0.0.1:7000"]  # the record was read, nobody refused meanwhile
+    assert not shares.etcd_led("fo") and shares.head_address("fo") == "127.0.0.1:7000"
+    store.close()

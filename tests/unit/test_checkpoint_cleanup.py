@@ -118,3 +118,28 @@ def test_a_listener_error_after_a_commit_does_not_fail_the_checkpoint(tmp_path: 
     assert [e.kind for e in events] == ["local_complete", "uploaded", "committed"]
     assert read_marker(layout.local_rank_marker(local, 5, 0))["state"] == "committed"  # type: ignore[index]
     assert up.failed() == [] and up.pending() == []
+
+
+def test_a_listing_survives_a_step_deleted_under_it(tmp_path: Path, monkeypatch) -> None:
+    """The local tier is shared by a node's ranks: another rank's rollback or retention may
+    delete a step's files while this rank lists the catalog. The listing goes on without them
+    (a CI run's spike drill died on a FileNotFoundError in the size count)."""
+    import ds3d.checkpoints.catalog as catalog_module
+
+    local = tmp_path / "local"
+    write_fake_checkpoint(local, 2)
+    write_fake_checkpoint(local, 4)
+    real_walk = os.walk
+
+    def walk_then_delete(top, *a, **kw):  # the folder's names are read, then a peer deletes
+        for dirpath, dirs, names in list(real_walk(top, *a, **kw)):
+            for name in names:
+                if "global_step2" in str(dirpath):
+                    (Path(dirpath) / name).unlink()
+            yield dirpath, dirs, names
+
+    monkeypatch.setattr(catalog_module.os, "walk", walk_then_delete)
+    listed = {c.step: c for c in Catalog(open_storage(f"file://{tmp_path / 'store'}"), local,
+                                         job_id=JOB_ID).list()}
+    assert listed[2].state is CkptState.LOCAL and listed[2].size == 0
+    assert listed[4].state is CkptState.LOCAL and listed[4].size > 0
