@@ -330,6 +330,9 @@ class FaultsConfig(_Section):
                               "the running median by this many median absolute deviations")
     spike_patience: int = Field(default=3, ge=1, le=10_000,
                                 description="... for this many steps in a row")
+    spike_min_rise: float = Field(default=0.1, ge=0, le=100, description="... and by at least "
+                                  "this fraction of the median (a smooth, converged loss has a "
+                                  "tiny MAD, and k of them are ordinary noise)")
 
 
 ETCD_SCHEME = "etcd://"

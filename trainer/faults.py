@@ -34,7 +34,10 @@ EXIT_INJECTED_CRASH = 13
 
 
 class SpikeDetector:
-    """A loss above the running median by k median-absolute-deviations for m steps in a row."""
+    """A loss above the running median by k median-absolute-deviations, and by at least a
+    fraction of the median, for m steps in a row. The fraction is the MAD's floor: late in a
+    smooth run the MAD shrinks until k of them are noise (a soak saw a 5% wobble declared a
+    spike by 20 MADs of 0.0033)."""
 
     def __init__(self, cfg: FaultsConfig) -> None:
         self.cfg = cfg
@@ -47,7 +50,8 @@ class SpikeDetector:
         if len(self.history) >= min(self.cfg.spike_window, 10):
             med = statistics.median(self.history)
             mad = statistics.median(abs(x - med) for x in self.history) or 1e-8
-            self.median, self.threshold = med, med + self.cfg.spike_mads * mad
+            rise = max(self.cfg.spike_mads * mad, self.cfg.spike_min_rise * abs(med))
+            self.median, self.threshold = med, med + rise
             above = loss > self.threshold
             self.run = self.run + 1 if above else 0
             spike = self.run >= self.cfg.spike_patience

@@ -225,8 +225,9 @@ class Trainer:
         extra = {}
         if cause == "spike":
             sd = self.spikes
-            detail = (f"loss {r.loss:.4g} above the running median {sd.median:.4g} + "
-                      f"{f.spike_mads:g} MADs = {sd.threshold:.4g} for {suspect} steps in a row "
+            detail = (f"loss {r.loss:.4g} above the running median {sd.median:.4g} + the "
+                      f"larger of {f.spike_mads:g} MADs and {f.spike_min_rise:.0%} of it = "
+                      f"{sd.threshold:.4g} for {suspect} steps in a row "
                       f"(steps {failed - suspect + 1}-{failed}); {detail}")
             extra = {"loss": r.loss, "median": sd.median, "threshold": sd.threshold,
                      "first_step": failed - suspect + 1}

@@ -153,7 +153,8 @@ def test_checkpoint_s3_fields_are_the_daemon_environment_settings():
 NON_FINITE = ["inf", "-inf", "nan"]
 FLOAT_FIELDS = ["train.lr", "train.weight_decay", "model.rope_theta", "train.grad_clip",
                 "train.eps", "model.norm_eps", "model.init_std", "train.min_lr_ratio",
-                "faults.spike_mads", "faults.lr_factor", "parallel.partition_threshold"]
+                "faults.spike_mads", "faults.spike_min_rise", "faults.lr_factor",
+                "parallel.partition_threshold"]
 
 
 @pytest.mark.parametrize("field", FLOAT_FIELDS)

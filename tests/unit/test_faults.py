@@ -1,5 +1,7 @@
 """Fault detectors of the step loop: pure logic, no processes."""
 
+import pytest
+
 from ds3d.trainer.config import FaultsConfig
 from ds3d.trainer.faults import RollbackBudget, SpikeDetector
 
@@ -23,6 +25,25 @@ def test_a_single_outlier_is_not_a_spike_and_does_not_move_the_baseline():
     assert not d.observe(2.01)  # the run of high losses is broken
     assert not d.observe(9.0)
     assert d.observe(9.0)
+
+
+def test_noise_on_a_converged_loss_is_not_a_spike():
+    """What a soak saw: late in a smooth run the MAD is tiny, so 20 of them (0.066) were passed
+    by a 5% wobble for 3 steps. The rise must also reach spike_min_rise of the median; a real
+    spike still does, and spike_min_rise = 0 gives the bare MAD rule back."""
+    def fed(min_rise: float) -> SpikeDetector:
+        d = SpikeDetector(FaultsConfig(spike_window=50, spike_mads=20.0, spike_patience=3,
+                                       spike_min_rise=min_rise))
+        for i in range(50):
+            d.observe(5.077 + 0.003 * (i % 3 - 1))  # median 5.077, MAD 0.003
+        return d
+
+    d = fed(0.1)
+    assert not any(d.observe(5.35) for _ in range(5))  # +5.4%: noise
+    assert d.threshold == pytest.approx(5.077 * 1.1)
+    assert [d.observe(6.0) for _ in range(3)] == [False, False, True]  # +18%: a spike
+    bare = fed(0.0)
+    assert [bare.observe(5.35) for _ in range(3)] == [False, False, True]
 
 
 def test_slowly_falling_loss_is_never_a_spike():
