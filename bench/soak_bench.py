@@ -292,6 +292,15 @@ class Soak:
         self.refs: queue.Queue = queue.Queue()
         self.ref_results: dict[str, dict] = {}
         self.t0 = time.time()
+        self.series_file = args.out.with_suffix(".samples.jsonl")
+        self.series_file.parent.mkdir(parents=True, exist_ok=True)
+        self.series_file.write_text("")
+
+    def keep_sample(self, s: dict) -> None:
+        """Each sample is appended to <out>.samples.jsonl as it is taken: a soak that dies late
+        keeps its time series (one did, and lost them)."""
+        with self.series_file.open("a") as f:
+            f.write(json.dumps(s) + "\n")
 
     # ---- jobs --------------------------------------------------------------------------------
 
@@ -405,6 +414,7 @@ class Soak:
                     self.samples.append(sample(self.t0, self.daemon, self.state_dir, self.store,
                                                Path(job["run_dir"]) if job else None,
                                                self.support.worker_procs))
+                    self.keep_sample(self.samples[-1])
                     next_sample = now + args.sample_s
                 if job is not None:
                     state = self.daemon.job(job["name"])["state"]
