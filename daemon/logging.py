@@ -7,11 +7,18 @@ and `step` where they are known.
 
 The standard library `logging` module is routed through the same processors, so messages of
 grpc and torch land in the same file in the same format.
+
+The file is rotated by size (`--log-max-mb`, `--log-backups`: ds3dd.log, ds3dd.log.1 ...), so a
+weeks-long daemon keeps at most (backups + 1) x max bytes of log. One process writes it: the
+ds3dd holding the state directory's lock (agents and workers log to their job's logs/ folder),
+so the standard library's single-process RotatingFileHandler is correct. It opens the file at
+the first record, so a second ds3dd refused the state directory's lock never touches it.
 """
 
 from __future__ import annotations
 
 import logging as _stdlib_logging
+import logging.handlers as _stdlib_handlers
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,12 +26,20 @@ from typing import Any
 import structlog
 
 _configured = False
+LOG_MAX_BYTES = 100 << 20  # default size at which ds3dd.log is rotated (--log-max-mb)
+LOG_BACKUPS = 5            # default rotated files kept: ds3dd.log.1 ... .5 (--log-backups)
 
 
 def configure(log_file: str | Path | None, node: str, level: str = "info",
-              console: bool | None = None) -> None:
-    """Sets up structlog once per process. `log_file` gets JSON lines; stderr gets a console
-    rendering when it is a TTY (or `console=True`), JSON otherwise."""
+              console: bool | None = None, max_bytes: int = LOG_MAX_BYTES,
+              backups: int = LOG_BACKUPS) -> None:
+    """Sets up structlog once per process. `log_file` gets JSON lines, rotated once it reaches
+    `max_bytes` with `backups` older files kept (both at least 1: the standard handler never
+    rotates with 0 of either); stderr gets a console rendering when it is a TTY (or
+    `console=True`), JSON otherwise."""
+    if max_bytes < 1 or backups < 1:
+        raise ValueError(f"log rotation needs max_bytes and backups of at least 1, not "
+                         f"{max_bytes} and {backups}")
     global _configured
     lvl = getattr(_stdlib_logging, level.upper(), _stdlib_logging.INFO)
     shared: list[Any] = [
@@ -54,7 +69,8 @@ def configure(log_file: str | Path | None, node: str, level: str = "info",
     root.addHandler(stderr_handler)
     if log_file is not None:
         Path(log_file).parent.mkdir(parents=True, exist_ok=True)
-        file_handler = _stdlib_logging.FileHandler(log_file, encoding="utf-8")
+        file_handler = _stdlib_handlers.RotatingFileHandler(
+            log_file, maxBytes=max_bytes, backupCount=backups, encoding="utf-8", delay=True)
         file_handler.setFormatter(structlog.stdlib.ProcessorFormatter(
             foreign_pre_chain=shared,
             processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,

@@ -20,6 +20,7 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from ds3d.trainer.errors import Ds3dError
@@ -38,6 +39,20 @@ def _seconds(text: str) -> float:
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0")
     return value
+
+
+def _bounded_int(low: int, high: int, unit: str) -> Callable[[str], int]:
+    """An integer flag within [low, high] (argparse then exits 2 naming the flag and range)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a whole number of {unit} from {low} to {high}")
+        return value
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,7 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds a worker group may take from its launch to its first `start` "
                     "record (imports, rendezvous, DeepSpeed's op build, restore) before it is a "
                     "startup_timeout fault that names any build lock it waits on; default 600")
-    ap.add_argument("--log-level", default="info")
+    ap.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    ap.add_argument("--log-max-mb", type=_bounded_int(1, 1 << 20, "MiB"), default=100,
+                    help="STATE_DIR/ds3dd.log is rotated when it reaches this size (MiB); "
+                    "default 100")
+    ap.add_argument("--log-backups", type=_bounded_int(1, 1000, "files"), default=5,
+                    help="rotated logs kept (ds3dd.log.1 is the newest); default 5, so the log "
+                    "takes at most (backups + 1) x --log-max-mb")
     ap.add_argument("--enable-fault-injection", action="store_true",
                     help="accept fault-injection requests (drills only; off by default)")
     ap.add_argument("--report-gpu-memory", metavar="SIZE",
@@ -91,7 +112,8 @@ def main(argv: list[str] | None = None) -> None:
     state_dir: Path = args.state_dir
     try:
         state_dir.mkdir(parents=True, exist_ok=True)
-        configure(state_dir / "ds3dd.log", args.node_name, args.log_level)
+        configure(state_dir / "ds3dd.log", args.node_name, args.log_level,
+                  max_bytes=args.log_max_mb << 20, backups=args.log_backups)
         from .fit_check import parse_size
         from .server import Daemon, DaemonOptions
 
