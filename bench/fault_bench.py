@@ -59,6 +59,7 @@ import time
 from pathlib import Path
 
 from ds3d.trainer.kinds import FaultKind
+from ds3d.trainer.report import read_rank_records
 
 STEPS, AT = 30, 12
 SETS = [f"train.steps={STEPS}", "train.warmup_steps=2", "parallel.tp=2", "parallel.pp=2",
@@ -104,8 +105,7 @@ def run_job(run_dir: Path, schedule: list[tuple[str, int, int]]) -> float:
 
 
 def records(run_dir: Path, rank: int = 0) -> list[dict]:
-    path = run_dir / "reports" / f"rank-{rank:05d}.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return read_rank_records(run_dir, rank)
 
 
 def analyse(run_dir: Path, t0: float, kind: str | None, steps_total: int = STEPS) -> dict:

@@ -387,7 +387,7 @@ def sec_ds3d(args, compile_: bool = False) -> dict:
 
     from ds3d.trainer.layout import ProcessEnv
     from ds3d.trainer.loop import Trainer
-    from ds3d.trainer.report import report_path
+    from ds3d.trainer.report import read_rank_records
 
     extra = [f"train.steps={args.warmup + args.steps}"]
     extra += ["train.compile=true"] if compile_ else []
@@ -397,7 +397,7 @@ def sec_ds3d(args, compile_: bool = False) -> dict:
     trainer.save = lambda: None  # the final save is measured in `checkpoint`, not here
     trainer.run()
     trainer.close()
-    recs = [json.loads(line) for line in report_path(run_dir, 0).read_text().splitlines()]
+    recs = read_rank_records(run_dir, 0)
     stamps = [r["time"] for r in recs if r["kind"] == "step"]
     start = next(r["time"] for r in recs if r["kind"] == "start")
     deltas = [b - a for a, b in zip(stamps, stamps[1:], strict=False)][args.warmup - 1:]

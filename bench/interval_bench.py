@@ -31,6 +31,8 @@ import threading
 import time
 from pathlib import Path
 
+from ds3d.trainer.report import read_rank_records
+
 STEPS = 600
 FAULT_EVERY_S = 12.0
 BASE = [f"train.steps={STEPS}", "train.warmup_steps=2", "parallel.dp=2",
@@ -45,10 +47,7 @@ POLICIES = {"none (fault-free, no checkpoints)": ["checkpoint.interval=0"],
 
 
 def records(run_dir: Path, rank: int = 0) -> list[dict]:
-    path = run_dir / "reports" / f"rank-{rank:05d}.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_rank_records(run_dir, rank)
 
 
 def crash_by_the_clock(run_dir: Path, stop: threading.Event) -> None:

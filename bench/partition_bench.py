@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ds3d.trainer.report import read_rank_records
+
 MODEL = ["model.n_layers=8", "model.d_model=128", "model.n_heads=4", "model.seq_len=512",
          "model.layer_d_ff=[1024,1024,64,64,64,64,64,64]", "train.micro_batch_size=1",
          "train.warmup_steps=2", "train.timing_interval=1"]
@@ -80,8 +82,7 @@ def torchrun(run_dir: Path, nproc: int, sets: list[str], max_load: float = 1.5) 
 
 
 def records(run_dir: Path, rank: int, kind: str) -> list[dict[str, Any]]:
-    path = run_dir / "reports" / f"rank-{rank:05d}.jsonl"
-    return [r for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == kind]
+    return [r for r in read_rank_records(run_dir, rank) if r["kind"] == kind]
 
 
 def analyse(run_dir: Path, nproc: int) -> dict[str, Any]:

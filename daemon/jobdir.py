@@ -2,7 +2,9 @@
 
     STATE_DIR/jobs/<name>/
         job.json                 JobConfig.dump_json(); the workers read it
-        reports/rank-XXXXX.jsonl per-rank records (trainer/report.py); the daemon tails them
+        reports/rank-XXXXX.jsonl per-rank records (trainer/report.py); the daemon tails them;
+                                 later segments rank-XXXXX.NNNNNN.jsonl, the read ones deleted
+                                 but the rank's newest two (trainer/report.py KEPT_SEGMENTS)
         ckpt/                    local checkpoint tier (written by the workers)
         logs/                    agent.log, rendezvous.log, attempt-N/... worker stdout/stderr
         control/command.json     daemon -> workers, written as tmp + rename:
@@ -15,8 +17,9 @@
         control/inject.json      daemon -> workers, drills only (ds3dd --enable-fault-injection):
                                  {"id": n, "kind": k, "rank": r, "at_step": s, "time": unix s},
                                   k a FaultKind (trainer/kinds.py; trainer/faults.py acts)
-        reports/nodes/<node>/rank-XXXXX.jsonl  head node only: copies of the records written on
-                                 the other nodes of a multi-node job (pulled by peer RPC)
+        reports/nodes/<node>/rank-XXXXX[.NNNNNN].jsonl  head node only: copies of the segments
+                                 written on the other nodes of a multi-node job (pulled by peer
+                                 RPC), tailed and deleted like this node's own
         control/agent-N.{json,exit}  agent spec and result (launcher.py, agent.py)
 
 Why files: a daemon that is down can still be heard on its return (reports), and workers can
@@ -34,6 +37,7 @@ from ds3d.trainer.config import JOB_NAME_RE
 from ds3d.trainer.errors import ConfigError
 from ds3d.trainer.fileio import atomic_write_text
 from ds3d.trainer.kinds import FaultKind
+from ds3d.trainer.report import report_segments
 
 from .commands import Command
 
@@ -129,9 +133,10 @@ class JobDir:
             (self.control / file).unlink(missing_ok=True)
 
     def report_files(self) -> list[Path]:
-        """This node's rank files, then the copies pulled from other nodes (reports/nodes/)."""
-        return sorted(self.reports.glob("rank-*.jsonl")) + \
-            sorted(self.reports.glob("nodes/*/rank-*.jsonl"))
+        """This node's rank files, then the copies pulled from other nodes (reports/nodes/),
+        each folder's in rank and segment order."""
+        return [path for folder in (self.reports, *sorted(self.reports.glob("nodes/*/")))
+                for path in report_segments(folder)]
 
     def report_key(self, path: Path) -> str:
         """A report file's name in the offsets table: relative to reports/ (a local file keeps

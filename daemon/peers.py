@@ -35,6 +35,7 @@ import grpc
 from ds3d.checkpoints.identity import local_job_id
 from ds3d.trainer.config import JobConfig
 from ds3d.trainer.errors import ConfigError, Ds3dError, StateError, StorageError
+from ds3d.trainer.report import parse_segment_name, report_segments
 from ds3d.v1 import control_pb2 as pb
 from ds3d.v1 import control_pb2_grpc as pb_grpc
 
@@ -71,7 +72,7 @@ class ForwardedError(Ds3dError):
 
 
 INJECT_FILE = "inject.json"  # jobdir.py: a drill's fault injection for the workers
-REPORT_FILE_RE = re.compile(r"^rank-\d{5,}\.jsonl$")
+REPORT_FILE_RE = re.compile(r"^rank-\d{5,}(\.\d{6,})?\.jsonl$")  # trainer/report.py segments
 PULL_MAX_BYTES = 4 << 20
 
 
@@ -410,23 +411,42 @@ class Shares:
 
     def pull(self, name: str, offsets: dict[str, int],
              max_bytes: int = 0) -> list[pb.ReportChunk] | None:
-        """Whole report lines after the head's offsets (None if no share of `name`)."""
+        """Whole report lines after the head's offsets (None if no share of `name`): the head's
+        copies are its `offsets` (file -> size). Each rank's segments go in order, a segment
+        only once the one before it was sent to its end (but for a torn last line), so a
+        segment older than the head's newest copy of its rank that the head no longer has was
+        copied whole, tailed and deleted there: it is deleted here too (trainer/report.py)."""
         jobdir = self._jobdir(name)
         if jobdir is None:
             return None
         budget = max_bytes if max_bytes > 0 else PULL_MAX_BYTES
+        head_newest: dict[int, int] = {}  # rank -> the newest segment the head has a copy of
+        for file in offsets:
+            parsed = parse_segment_name(file)
+            if parsed is not None:
+                head_newest[parsed[0]] = max(head_newest.get(parsed[0], -1), parsed[1])
         chunks = []
-        for path in sorted(jobdir.reports.glob("rank-*.jsonl")):
+        held_back: set[int] = set()  # ranks with a segment not sent to its end
+        for path in report_segments(jobdir.reports):
+            rank, segment = parse_segment_name(path.name) or (-1, -1)
             start = offsets.get(path.name, 0)
+            if path.name not in offsets and segment < head_newest.get(rank, -1):
+                path.unlink(missing_ok=True)
+                continue
             if budget <= 0 or start < 0:
                 break
+            if rank in held_back:
+                continue
             with open(path, "rb") as fh:
                 fh.seek(start)
                 data = fh.read(budget)
-            data = data[:data.rfind(b"\n") + 1]
-            if data:
-                chunks.append(pb.ReportChunk(file=path.name, offset=start, data=data))
-                budget -= len(data)
+                whole = fh.read(1) == b""
+            cut = data[:data.rfind(b"\n") + 1]
+            if not whole:
+                held_back.add(rank)
+            if cut:
+                chunks.append(pb.ReportChunk(file=path.name, offset=start, data=cut))
+                budget -= len(cut)
         return chunks
 
     def stop(self, name: str, now: bool, leader_token: int = 0) -> bool:

@@ -5,6 +5,12 @@
 checkpoint index rows, job figures (step, loss, tokens/s) and the new offsets in ONE store
 transaction — so a daemon crash at any point neither loses a record nor counts it twice.
 
+A rank's records come in segments (trainer/report.py); each is tailed from its own offset, and a
+segment read to its end with KEPT_SEGMENTS newer ones of its rank beside it is deleted after the
+transaction that stored its last records, then its offset row (a crash in between leaves a row
+without a file: harmless). A restarted daemon resumes every remaining segment from its stored
+offset; a segment it has no row for is read from its start.
+
 Heartbeats are not stored (one per rank per step would dwarf everything else); their times are
 kept in memory for the hang detector, which restarts its clock after a daemon restart.
 """
@@ -19,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ds3d.trainer.kinds import EventKind, RecordKind
-from ds3d.trainer.report import read_records
+from ds3d.trainer.report import KEPT_SEGMENTS, parse_segment_name, read_records
 
 from .jobdir import JobDir
 from .store import Store
@@ -145,7 +151,8 @@ class ReportTail:
         offsets = self.store.offsets(name)
         new_offsets: dict[str, int] = {}
         obs = Observation()
-        for path in self.jobdir.report_files():
+        files = self.jobdir.report_files()
+        for path in files:
             key = self.jobdir.report_key(path)
             records, end = read_records(path, offsets.get(key, 0))
             if end != offsets.get(key, 0):
@@ -181,8 +188,27 @@ class ReportTail:
                            "detail": f"deleted by retention after step {rec.get('step')}"}
                           for s in rec.get("deleted") or [] if isinstance(s, int)]
         self.store.ingest(name, new_offsets, events, ckpts, **figures)
+        self._drop_read_segments(files, {**offsets, **new_offsets})
         obs.last_seen = dict(self.last_seen)
         return obs
+
+    def _drop_read_segments(self, files: list[Path], offsets: dict[str, int]) -> None:
+        """Deletes the segments stored to their end (`offsets`: committed) that have
+        KEPT_SEGMENTS newer ones of their rank in their folder, then their offset rows."""
+        by_rank: dict[tuple[Path, int], list[Path]] = {}
+        for path in files:  # in segment order (JobDir.report_files)
+            parsed = parse_segment_name(path.name)
+            if parsed is not None:
+                by_rank.setdefault((path.parent, parsed[0]), []).append(path)
+        dropped = []
+        for segments in by_rank.values():
+            for path in segments[:-KEPT_SEGMENTS]:
+                key = self.jobdir.report_key(path)
+                if read_to_end(path, offsets.get(key, 0)):
+                    path.unlink(missing_ok=True)
+                    dropped.append(key)
+        if dropped:
+            self.store.forget_offsets(self.jobdir.name, dropped)
 
     def _figures(self, records: list[dict[str, Any]]) -> dict[str, Any]:
         """Job columns implied by the newest records (step, loss, throughput, world size...)."""
@@ -205,3 +231,14 @@ class ReportTail:
             elif kind == RecordKind.COMMAND and rec.get("status") == "done":
                 out["command_acked"] = max(out.get("command_acked", 0), int(rec.get("id", 0)))
         return out
+
+
+def read_to_end(path: Path, offset: int) -> bool:
+    """Whether nothing but a torn line (no newline: a writer killed mid-record, which no writer
+    completes once the rank has newer segments) follows `offset` in a segment."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(offset)
+            return b"\n" not in fh.read()
+    except FileNotFoundError:
+        return True

@@ -440,6 +440,12 @@ class Store:
             if fields:
                 self._update(db, name, fields)
 
+    def forget_offsets(self, name: str, paths: Iterable[str]) -> None:
+        """Drops the offset rows of report segments deleted once read (daemon/reports.py)."""
+        with self._tx() as db:
+            db.executemany("DELETE FROM offsets WHERE job=? AND path=?",
+                           [(name, p) for p in paths])
+
     # ---- queries -----------------------------------------------------------------------------
 
     def events(self, *, job: str = "", after_seq: int = 0, kinds: Iterable[EventKind] = (),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -80,9 +79,10 @@ def _failure_excerpt(name: str, text: str) -> str:
 
 
 def records(run_dir: Path, rank: int = 0, kind: str | None = None) -> list[dict[str, Any]]:
-    path = run_dir / "reports" / f"rank-{rank:05d}.jsonl"
-    out = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in out if kind is None or r["kind"] == kind]
+    """A rank's records on disk, every segment of its reports in order (trainer/report.py)."""
+    from ds3d.trainer.report import read_rank_records
+
+    return [r for r in read_rank_records(run_dir, rank) if kind is None or r["kind"] == kind]
 
 
 def losses(run_dir: Path) -> dict[int, float]:

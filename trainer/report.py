@@ -7,7 +7,18 @@ never sees half a record except possibly the last line of a file being written (
 newline).
 
 Layout inside a job's run directory:
-    reports/rank-00003.jsonl     records of global rank 3 (all restarts of the job append here)
+    reports/rank-00003.jsonl          records of global rank 3: its first segment
+    reports/rank-00003.000001.jsonl   its next segments, in order (all restarts append to the
+                                      rank's newest segment)
+
+Segments keep a weeks-long job's files bounded. A writer that finds the segment it writes at or
+past `SEGMENT_BYTES` moves to the rank's newest segment, starting the next one if that is full
+too; a segment, once a newer one exists, is never written again (but for a record another
+writer of the same rank had already decided to put there, a moment earlier). The reader (the
+daemon, daemon/reports.py) tails every segment from its own offset and deletes a segment only
+once it has consumed it to the end and two newer segments of the rank exist, so at most the
+rank's newest two segments (about 2 x SEGMENT_BYTES) stay once they have been read, and no
+record is deleted before it was read. Segment 0 keeps the name of the one file of old.
 
 Every record has: `kind`, `time` (unix seconds), `rank`, `restart` (TORCHELASTIC_RESTART_COUNT),
 `node` (hostname) and `pid`. Kinds (`RecordKind`, trainer/kinds.py: `emit` refuses any other)
@@ -44,6 +55,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import sys
 import threading
@@ -60,8 +72,44 @@ _RECORD_KINDS = frozenset(RecordKind)
 HELD_RECORDS_MAX = 200_000  # records kept while the disk is full (~50 MB); the oldest go first
 
 
-def report_path(run_dir: str | Path, rank: int) -> Path:
-    return Path(run_dir) / "reports" / f"rank-{rank:05d}.jsonl"
+SEGMENT_BYTES = 16 << 20  # a rank's segment is closed once it holds this much (~50k steps)
+KEPT_SEGMENTS = 2  # the newest segments of a rank kept once read (the rest are deleted)
+_SEGMENT_NAME = re.compile(r"^rank-(\d{5,})(?:\.(\d{6,}))?\.jsonl$")
+
+
+def report_path(run_dir: str | Path, rank: int, segment: int = 0) -> Path:
+    """Segment `segment` of a rank's reports (segment 0 is the rank's first file)."""
+    return Path(run_dir) / "reports" / segment_name(rank, segment)
+
+
+def segment_name(rank: int, segment: int) -> str:
+    return f"rank-{rank:05d}.jsonl" if segment == 0 else f"rank-{rank:05d}.{segment:06d}.jsonl"
+
+
+def parse_segment_name(name: str) -> tuple[int, int] | None:
+    """(rank, segment) of a report file's name; None for any other name."""
+    m = _SEGMENT_NAME.match(name)
+    return None if m is None else (int(m.group(1)), int(m.group(2) or 0))
+
+
+def report_segments(folder: str | Path, rank: int | None = None) -> list[Path]:
+    """The report segments in one folder (of `rank`, or of every rank), ordered by rank, then
+    segment: the order their records were written in."""
+    found = []
+    for path in Path(folder).glob("rank-*.jsonl"):
+        parsed = parse_segment_name(path.name)
+        if parsed is not None and (rank is None or parsed[0] == rank):
+            found.append((parsed, path))
+    return [path for _, path in sorted(found)]
+
+
+def read_rank_records(run_dir: str | Path, rank: int) -> list[dict[str, Any]]:
+    """Every record of a rank still on disk, in the order written (its read segments beyond the
+    newest KEPT_SEGMENTS are gone: the daemon's event table holds what they said)."""
+    records: list[dict[str, Any]] = []
+    for path in report_segments(Path(run_dir) / "reports", rank):
+        records += read_records(path)[0]
+    return records
 
 
 class Reporter:
@@ -69,9 +117,13 @@ class Reporter:
     after a power cut costs a few metrics, never correctness: checkpoints carry the truth).
     Thread-safe (the checkpoint writer and uploader threads report too)."""
 
-    def __init__(self, run_dir: str | Path, rank: int, restart: int) -> None:
-        self.path = report_path(run_dir, rank)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+    def __init__(self, run_dir: str | Path, rank: int, restart: int,
+                 segment_bytes: int = SEGMENT_BYTES) -> None:
+        self._rank = rank
+        self._folder = Path(run_dir) / "reports"
+        self._folder.mkdir(parents=True, exist_ok=True)
+        self.segment_bytes = segment_bytes
+        self.path = self._newest_segment()
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._base = {"rank": rank, "restart": restart, "node": socket.gethostname(),
                       "pid": os.getpid()}
@@ -112,10 +164,38 @@ class Reporter:
                     else "; no record was lost"))
             self._full_since, self._dropped = None, 0
 
+    def _newest_segment(self) -> Path:
+        """The segment to write: the rank's newest, or the one after it once that is full."""
+        segments = report_segments(self._folder, self._rank)
+        if not segments:
+            return self._folder / segment_name(self._rank, 0)
+        newest = segments[-1]
+        try:
+            full = newest.stat().st_size >= self.segment_bytes
+        except FileNotFoundError:
+            full = False
+        if not full:
+            return newest
+        _, segment = parse_segment_name(newest.name) or (self._rank, 0)
+        return self._folder / segment_name(self._rank, segment + 1)
+
+    def _next_segment(self) -> None:
+        """The segment written is full: on to the rank's newest (another writer of this rank
+        may have started it already), or a new one."""
+        path = self._newest_segment()
+        if path == self.path:
+            return
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.close(self._fd)
+        self._fd, self.path = fd, path
+
     def _append(self, line: bytes) -> bool:
         """One whole line or nothing: False (with the file as it was) when the disk is full."""
-        start = os.fstat(self._fd).st_size
+        start: int | None = None
         try:
+            if os.fstat(self._fd).st_size >= self.segment_bytes:
+                self._next_segment()
+            start = os.fstat(self._fd).st_size
             written = os.write(self._fd, line)
             if written == len(line):
                 return True
@@ -124,7 +204,8 @@ class Reporter:
             if not is_disk_full(e):
                 raise
             try:
-                os.ftruncate(self._fd, start)  # no torn line for the daemon to skip
+                if start is not None:  # (None: no room to start the next segment)
+                    os.ftruncate(self._fd, start)  # no torn line for the daemon to skip
             except OSError:
                 pass
             if self._full_since is None:

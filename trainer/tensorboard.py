@@ -22,7 +22,7 @@ import torch
 
 from .config import JobConfig
 from .kinds import RecordKind
-from .report import read_records, report_path
+from .report import read_rank_records
 
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0,
                     "L40S": 362.0, "B200": 2250.0}
@@ -125,7 +125,7 @@ class TensorBoardLog:
         self.flops = flops_per_step(cfg, global_batch)
         self.peak_total = peak * 1e12 * world_size if peak else None
         self.restart = restart
-        records, _ = read_records(report_path(run_dir, 0))
+        records = read_rank_records(run_dir, 0)
         cause = restart_cause(records, os.getpid(), world_size, restart)
         if cause is not None:  # a marker at the step training resumed from
             self.writer.add_scalar(f"restarts/{cause[0]}", 1, cause[1])
