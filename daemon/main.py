@@ -98,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--log-backups", type=_bounded_int(1, 1000, "files"), default=5,
                     help="rotated logs kept (ds3dd.log.1 is the newest); default 5, so the log "
                     "takes at most (backups + 1) x --log-max-mb")
+    ap.add_argument("--events-kept", type=_bounded_int(1000, 1 << 31, "events"),
+                    default=100_000, help="newest `step` and `checkpoint` events kept per job "
+                    "and kind in the event table (older ones are deleted; every other kind is "
+                    "kept); default 100000")
     ap.add_argument("--enable-fault-injection", action="store_true",
                     help="accept fault-injection requests (drills only; off by default)")
     ap.add_argument("--report-gpu-memory", metavar="SIZE",
@@ -125,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
             metrics_port=args.metrics_port, max_request_bytes=args.max_request_bytes,
             rdzv_host=args.rdzv_host, worker_module=args.worker_module, node_addr=args.node_addr,
             hang_timeout_s=args.hang_timeout, start_timeout_s=args.start_timeout,
-            enable_fault_injection=args.enable_fault_injection,
+            enable_fault_injection=args.enable_fault_injection, events_kept=args.events_kept,
             report_gpu_memory=parse_size(args.report_gpu_memory)
             if args.report_gpu_memory else None)
         daemon = Daemon(opts)

@@ -39,7 +39,7 @@ from .policies import restart_policy_for
 from .procs import ProcessRef
 from .reflection_v1 import enable_reflection_v1
 from .service import JobService, stored_config_problem
-from .store import Store
+from .store import EVENTS_KEPT, Store
 from .supervisor import SupervisorContext, Supervisors
 from .takeover import Standby
 
@@ -65,6 +65,7 @@ class DaemonOptions:
     enable_fault_injection: bool = False
     report_gpu_memory: int | None = None  # bytes of one GPU, instead of nvidia-smi's (tests)
     node_addr: str | None = None
+    events_kept: int = EVENTS_KEPT  # newest step/checkpoint events per job and kind (store.py)
 
 
 def check_listen_address(listen: str) -> None:
@@ -110,7 +111,7 @@ class Daemon:
         except BlockingIOError:
             raise ConfigError(f"another ds3dd already uses --state-dir {opts.state_dir}; stop "
                               "it first or choose another state directory") from None
-        self.store = Store(opts.state_dir / "ds3d.db")
+        self.store = Store(opts.state_dir / "ds3d.db", events_kept=opts.events_kept)
         for job in self.store.quarantine_unreadable(stored_config_problem):
             log.error("job quarantined", job=job.name, reason=job.message)
             for pid, started in ((job.agent_pid, job.agent_started),

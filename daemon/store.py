@@ -12,6 +12,13 @@ SQLite in WAL mode, one file per daemon (`STATE_DIR/ds3d.db`). Why it is shaped 
   record is turned into an event exactly once.
 * **One writer.** One connection guarded by a lock; readers (WatchEvents) wait on a condition
   that every commit of new events notifies, so a watch never polls the disk in a busy loop.
+* **Bounded events.** A job's `step` and `checkpoint` events (about 1 and 1.4 a step) are kept
+  to its newest `events_kept` of each kind (ds3dd --events-kept); every other kind (states,
+  faults, recoveries, diagnoses, launches, done...) is the job's history and is never deleted.
+  The older ones go in the transaction that stored the PRUNE_EVERY-th new one of a job since
+  the last pruning, so pruning costs one indexed delete per thousand events, and a job holds
+  at most events_kept + PRUNE_EVERY of each. Sequence numbers stay increasing (paging by
+  `seq` sees a gap where rows went).
 
 `synchronous=NORMAL` in WAL mode keeps every committed transaction across a process crash
 (SIGKILL); only an OS crash or power cut may lose the last commits, which the report files and
@@ -94,6 +101,7 @@ CREATE TABLE IF NOT EXISTS events (
     detail_json TEXT NOT NULL DEFAULT '{}'
 );
 CREATE INDEX IF NOT EXISTS events_job ON events(job, seq);
+CREATE INDEX IF NOT EXISTS events_job_kind ON events(job, kind, seq);
 CREATE TABLE IF NOT EXISTS offsets (
     job TEXT NOT NULL,
     path TEXT NOT NULL,
@@ -128,6 +136,11 @@ _KEPT = ("phase IN ('committed', 'skipped') AND excluded.phase IN ('saved', 'fai
 _PHASE_UPSERT = (
     f"phase=CASE WHEN {_KEPT} THEN phase ELSE excluded.phase END, "
     f"detail=CASE WHEN {_KEPT} THEN detail ELSE excluded.detail END")
+
+# Event kinds kept to a job's newest `events_kept` each (the rest are the job's history).
+PRUNED_KINDS = (EventKind.STEP, EventKind.CHECKPOINT)
+EVENTS_KEPT = 100_000  # default of ds3dd --events-kept
+PRUNE_EVERY = 1000     # new events of those kinds in a job between two prunings of it
 
 # done_reason (and event cause) of a job whose stored row this ds3dd could not read.
 QUARANTINED = "quarantined"
@@ -225,7 +238,14 @@ _EVENT_COLS = ("job", "time", "kind", "from_state", "to_state", "step", "rank", 
 class Store:
     """All durable state of one daemon. Thread-safe; every public write is one transaction."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, events_kept: int = EVENTS_KEPT,
+                 prune_every: int = PRUNE_EVERY) -> None:
+        if events_kept < 1 or prune_every < 1:
+            raise ValueError(f"events_kept and prune_every must be at least 1, not "
+                             f"{events_kept} and {prune_every}")
+        self.events_kept = events_kept
+        self.prune_every = prune_every
+        self._unpruned: dict[str, int] = {}  # job -> PRUNED_KINDS events since its last pruning
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None,
@@ -253,6 +273,7 @@ class Store:
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 yield self._db
+                self._prune_due(self._db)
                 self._db.execute("COMMIT")
             except BaseException:
                 # a COMMIT refused (disk full) leaves the transaction open, and SQLite may have
@@ -542,10 +563,24 @@ class Store:
             cols = ", ".join(f"{k}=?" for k in values)
             db.execute(f"UPDATE jobs SET {cols} WHERE name=?", (*values.values(), name))
 
-    @staticmethod
-    def _insert_event(db: sqlite3.Connection, ev: dict[str, Any]) -> None:
+    def _insert_event(self, db: sqlite3.Connection, ev: dict[str, Any]) -> None:
         if "detail" in ev:
             ev = {**ev, "detail_json": json.dumps(ev.pop("detail"), default=str)}
         cols = [c for c in _EVENT_COLS if c in ev]
         db.execute(f"INSERT INTO events ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})",
                    [ev[c] for c in cols])
+        if ev.get("kind") in PRUNED_KINDS:
+            self._unpruned[ev["job"]] = self._unpruned.get(ev["job"], 0) + 1
+
+    def _prune_due(self, db: sqlite3.Connection) -> None:
+        """In the open transaction: each job with prune_every new events of PRUNED_KINDS keeps
+        the newest events_kept of each such kind (a restarted daemon counts from 0 again: the
+        bound still holds, one batch later)."""
+        for job in [j for j, n in self._unpruned.items() if n >= self.prune_every]:
+            for kind in PRUNED_KINDS:
+                row = db.execute("SELECT seq FROM events WHERE job=? AND kind=? ORDER BY seq "
+                                 "DESC LIMIT 1 OFFSET ?", (job, kind, self.events_kept)).fetchone()
+                if row is not None:
+                    db.execute("DELETE FROM events WHERE job=? AND kind=? AND seq<=?",
+                               (job, kind, row[0]))
+            del self._unpruned[job]
