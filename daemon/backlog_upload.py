@@ -14,7 +14,8 @@ rank 0's marker commits once every rank's part is in the store, as the workers d
 Progress goes where the workers' goes: `checkpoint` records appended to the ranks' report files
 (trainer/report.py), so the daemon's report tail turns them into events, checkpoint index rows
 and the job's newest checkpoint step exactly as for the workers' own records. Nothing else is
-kept: the markers are the state on disk, so a restarted daemon finds the same backlog again.
+kept: the markers are the state on disk, so a restarted daemon finds the same backlog again
+(on a node running a share, once it has found the share's exited agent again: peers.Shares).
 Retention and the sweep of leftovers run once, after the whole backlog is durable (never while a
 step here still needs its parts or local files)."""
 

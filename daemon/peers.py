@@ -14,10 +14,14 @@ validates the job as StartJob does, ShareControl writes only the known control f
 `STATE_DIR/shares/<job>/` (a job directory like the head's). Besides starting and stopping its
 agent, the head copies control files into it (ShareControl: rank 0, which reads commands, may
 land on any node) and pulls its report records (PullReports) so that the head sees every rank.
-Running agents live in memory only (after a restart of this daemon the head re-issues StartShare
-on its next relaunch; an elastic job running short of nodes is relaunched as soon as the node
-answers again: ReturningNodes); the share's folder stays, so this node still knows which daemon
-heads the job and forwards job requests there (api.py).
+Running agents are held in memory. A restarted daemon finds the newest agent of each share again
+by the pid file the agent wrote (`Shares._reattach`) when it still runs or its workers finished
+(exit 0), unless the head ended the job (StopShare leaves `control/share-stopped.json`): NodeStatus
+then reports it as before the restart, and a share whose workers exited leaving checkpoints not
+durable resumes uploading them (daemon/backlog_upload.py). An agent that was killed is not taken
+back: the head re-issues StartShare on its next relaunch (an elastic job running short of nodes
+is relaunched as soon as the node answers again: ReturningNodes). The share's folder stays, so
+this node still knows which daemon heads the job and forwards job requests there (api.py).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import grpc
 from ds3d.checkpoints.identity import local_job_id
 from ds3d.trainer.config import JobConfig
 from ds3d.trainer.errors import ConfigError, Ds3dError, StateError, StorageError
+from ds3d.trainer.fileio import atomic_write_text
 from ds3d.trainer.report import parse_segment_name, report_segments
 from ds3d.v1 import control_pb2 as pb
 from ds3d.v1 import control_pb2_grpc as pb_grpc
@@ -72,6 +77,9 @@ class ForwardedError(Ds3dError):
 
 
 INJECT_FILE = "inject.json"  # jobdir.py: a drill's fault injection for the workers
+# in a share's control/: the head ended the job (StopShare), so a restarted daemon neither takes
+# its agent back nor resumes its backlog; a StartShare removes it (not a ShareControl file)
+STOPPED_FILE = "share-stopped.json"
 REPORT_FILE_RE = re.compile(r"^rank-\d{5,}(\.\d{6,})?\.jsonl$")  # trainer/report.py segments
 PULL_MAX_BYTES = 4 << 20
 
@@ -244,6 +252,7 @@ class Shares:
         # job -> (its run ids' prefix, the highest leader token seen): etcd mode's fencing
         self._tokens: dict[str, tuple[str, int]] = {}
         self._run_ids.update(self._last_run_ids())  # a restarted daemon watches them again
+        self._agents.update(self._reattach())  # and reports them (and their backlogs) again
         self._configs: dict[str, tuple[int, JobConfig]] = {}  # job -> (job.json mtime, parsed)
         # etcd-mode jobs: (lease holder as the takeover watch last read it, "" for nobody;
         # the wall time it changed to that), by job
@@ -272,6 +281,7 @@ class Shares:
             # its workers too (own sessions): none may hold the job's build lock at the start
             kill_strays(jobdir.path)
             jobdir.create(cfg.dump_json())
+            (jobdir.control / STOPPED_FILE).unlink(missing_ok=True)
             # commands were meant for the previous workers; the head re-sends what is pending
             jobdir.command_file.unlink(missing_ok=True)
             handle = self.launcher.start(jobdir.path, cfg, req.attempt, req.rdzv_endpoint,
@@ -317,9 +327,9 @@ class Shares:
             out.append((held[1], run_id))
         return out
 
-    def _last_run_ids(self) -> dict[str, str]:
-        """The run id of each share's newest attempt, from the agent specs in its folder
-        (control/agent-<attempt>.json, written by Launcher.start)."""
+    def _newest_specs(self) -> dict[str, tuple[int, Path]]:
+        """Each share's newest attempt and its agent spec (control/agent-<attempt>.json,
+        written by Launcher.start)."""
         out = {}
         for job_json in self.root.glob("*/job.json"):
             specs = []
@@ -327,14 +337,42 @@ class Shares:
                 attempt = spec.stem.removeprefix("agent-")
                 if attempt.isdigit():
                     specs.append((int(attempt), spec))
-            if not specs:
-                continue
+            if specs:
+                out[job_json.parent.name] = max(specs)
+        return out
+
+    def _last_run_ids(self) -> dict[str, str]:
+        """The run id of each share's newest attempt, from its agent spec."""
+        out = {}
+        for name, (_attempt, spec) in self._newest_specs().items():
             try:
-                run_id = json.loads(max(specs)[1].read_text())["run_id"]
+                run_id = json.loads(spec.read_text())["run_id"]
             except (OSError, ValueError, KeyError):
                 continue
             if isinstance(run_id, str) and run_id:
-                out[job_json.parent.name] = run_id
+                out[name] = run_id
+        return out
+
+    def _reattach(self) -> dict[str, AgentHandle]:
+        """After a restart of this daemon: the newest agent of each share that still runs or
+        whose workers finished (exit 0), found by the pid file it wrote (Launcher.find: pid and
+        start time, so a reused pid is not taken for it). Skipped: shares whose head ended the
+        job (STOPPED_FILE) and agents that were killed or failed (the head relaunches those
+        with a StartShare). `status` then reports them as before the restart, and starts the
+        backlog of a share whose workers exited with checkpoints not durable."""
+        out = {}
+        for name, (attempt, _spec) in self._newest_specs().items():
+            run_dir = self.root / name
+            if (run_dir / "control" / STOPPED_FILE).exists():
+                continue
+            try:
+                handle = Launcher.find(run_dir, attempt)
+            except (KeyError, TypeError, ValueError):
+                handle = None  # a pid file not as the agent writes it
+            if handle is not None and handle.poll() in (None, 0):
+                out[name] = handle
+                log.info("share agent found again", job=name, pid=handle.ref.pid,
+                         alive=handle.poll() is None)
         return out
 
     def forget(self, name: str) -> None:
@@ -450,9 +488,23 @@ class Shares:
         return chunks
 
     def stop(self, name: str, now: bool, leader_token: int = 0) -> bool:
+        """The head ended the job (terminal): its agent is ended, a backlog still uploading is
+        closed (stop --now and FAILED do not wait for the store: what is left stays on the
+        local tier, as on the head) and the share is marked ended for a restarted daemon."""
         with self._lock:
             self._fence(name, leader_token, "StopShare")
             handle = self._agents.get(name)  # kept: NodeStatus reports how it ended
+            backlog = self._backlogs.get(name)
+        jobdir = self._jobdir(name)
+        try:
+            if jobdir is not None:
+                atomic_write_text(jobdir.control / STOPPED_FILE,
+                                  json.dumps({"time": time.time()}))
+        except OSError as e:  # a restarted daemon would report the ended share again
+            log.warning("share not marked ended", job=name, error=str(e))
+        if backlog is not None and backlog.pending():
+            backlog.close()
+            log.info("share backlog closed: the job ended", job=name, left=backlog.pending())
         if handle is None or handle.poll() is not None:
             return False
         handle.ref.terminate(grace_s=1.0 if now else 30.0)

@@ -377,6 +377,8 @@ class JobSupervisor:
         if waiting is None and (others := self.backlog.not_durable()):
             waiting = (f"final checkpoint step {others[-1]}: this node's parts are in the "
                        f"store; waits for the node of rank 0 to commit steps {others}")
+            if gone := self.nodes.unreachable():  # its ds3dd resumes the backlog when back
+                waiting += f" (node(s) {', '.join(gone)} do not answer)"
         if waiting is not None:
             if job.message != waiting:
                 self.store.update(self.name, message=waiting)

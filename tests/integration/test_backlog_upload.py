@@ -140,6 +140,70 @@ def test_each_node_uploads_its_ranks_and_rank_0s_node_commits(
     assert catalog.verify(STEPS, checksums=True) == []
 
 
+def _rank_records(run_dir: Path, rank: int) -> str:
+    """The text of one rank's report records on a node (every segment of its file)."""
+    return "".join(p.read_text() for p in sorted((run_dir / "reports").glob(
+        f"rank-{rank:05d}*.jsonl")))
+
+
+def test_a_restarted_share_daemon_resumes_its_backlog(
+        rgw_cluster: Any, rgw_server: Any, rgw_bucket: str, make_rgw_storage: Any,
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DP 2 with rank 0 on the share node B, as above. During the outage B's ds3dd starts the
+    backlog of its exited share and is SIGKILLed; the gateway comes back while B is down: the
+    head uploads rank 1's part but keeps the job RUNNING, its status naming the commit it waits
+    for and the node that does not answer. B's ds3dd is started again (same state dir and
+    address): it finds the share's exited agent and its pending checkpoints, uploads rank 0's
+    part and commits, and only then is the job COMPLETED."""
+    env = {**rgw_server.env(), "DS3D_S3_MAX_ATTEMPTS": "1", "DS3D_S3_OUTAGE_RETRIES": "1"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with loopback_nodes(tmp_path) as (a, b):
+        r = a.ctl("start", "tiny", "--name", "rs", "--dp", "2", "--steps", str(STEPS),
+                  "--hosts", f"{a.addr},{b.addr}",
+                  "--set", f"checkpoint.interval={INTERVAL}",
+                  "--set", "checkpoint.store_wait_s=2",
+                  "--set", f'checkpoint.store="s3://{rgw_bucket}/jobs"')
+        assert r.returncode == 0, r.stderr
+        client = rgw_server.client()
+        _wait_for_first_commit(a, client, rgw_bucket, "rs", timeout_s=300)
+        head_dir, share_dir = a.state_dir / "jobs" / "rs", b.state_dir / "shares" / "rs"
+        with rgw_cluster.gateway_down():
+            assert a.job("rs")["step"] < STEPS, "trained to the end before the outage"
+            a.wait_for("rs", lambda j: "final checkpoint step" in j["message"],
+                       "the backlog named in the status", timeout_s=300)
+            # B's ds3dd tries rank 0's final checkpoint itself (its workers have exited)
+            failed = f'"step":{STEPS},"phase":"failed","source":"ds3dd"'
+            deadline = time.monotonic() + 120
+            while failed not in _rank_records(share_dir, 0):
+                assert time.monotonic() < deadline, "B's ds3dd did not start its backlog"
+                time.sleep(0.5)
+            assert not worker_procs(share_dir), "B's workers should have exited"
+            b.kill()
+        # the store is back, B's ds3dd is not: the head's part goes in, the commit waits
+        job = a.wait_for("rs", lambda j: "waits for the node of rank 0" in j["message"]
+                         and "do not answer" in j["message"],
+                         "the head waiting for rank 0's node", timeout_s=120)
+        assert job["state"] == "RUNNING", job
+        assert f"{STEPS}] (node(s) {b.addr} do not answer)" in job["message"], job
+        assert not _manifest_exists(client, rgw_bucket, STEPS, "rs")
+        assert f'"step":{STEPS},"phase":"committed"' not in _rank_records(share_dir, 0)
+        b.argv[b.argv.index("--listen") + 1] = b.addr  # the address the head calls
+        b.start()
+        done = a.wait_state("rs", "COMPLETED", "FAILED", "STOPPED", timeout_s=240)
+        assert done["state"] == "COMPLETED", done
+        assert done["step"] == STEPS and done["last_checkpoint_step"] == STEPS, done
+    # B's restarted ds3dd committed the final step; the head uploaded rank 1's part
+    assert f'"step":{STEPS},"phase":"committed","source":"ds3dd"' in \
+        _rank_records(share_dir, 0)
+    assert f'"step":{STEPS},"phase":"uploaded","source":"ds3dd"' in \
+        _rank_records(head_dir, 1)
+    catalog = Catalog(make_rgw_storage("jobs/rs"), None)
+    committed = [c.step for c in catalog.list() if c.state is CkptState.COMMITTED]
+    assert max(committed) == STEPS, committed
+    assert catalog.verify(STEPS, checksums=True) == []
+
+
 def test_stop_now_does_not_wait_and_names_the_local_only_steps(
         rgw_cluster: Any, rgw_server: Any, rgw_bucket: str, tmp_path: Path) -> None:
     """`stop --now` while the daemon waits for the store ends the job STOPPED at once; its

@@ -174,3 +174,37 @@ def test_a_restarted_daemon_knows_the_run_of_each_share_it_ran(tmp_path):
     assert cfg.name == "mn" and run_id == "mn-0123456789ab-a3"
     restarted.forget("mn")
     assert restarted.started() == []
+
+
+def test_a_restarted_daemon_takes_back_share_agents_that_run_or_finished(tmp_path):
+    """After a restart the newest agent of each share is found again by its pid file when it
+    still runs or its workers finished (exit 0), so NodeStatus reports it and a finished
+    share's backlog is resumed; not an agent that was killed or failed (the head relaunches
+    it), an older attempt, or a share whose head ended the job (StopShare)."""
+    import psutil
+
+    me = psutil.Process()
+    root = tmp_path / "shares"
+    # name -> (pid file's start time: ours = this live process, 1.0 = a process now gone;
+    #          the agent's exit file, None if it left none)
+    cases = {"live": (me.create_time(), None), "done": (1.0, 0), "killed": (1.0, None),
+             "failed": (1.0, 1), "ended": (1.0, 0)}
+    for name, (started, code) in cases.items():
+        _, jobdir = share(tmp_path, name)
+        (jobdir.control / "agent-1.json").write_text(json.dumps({"run_id": f"{name}-a1"}))
+        (jobdir.control / "agent-1.pid").write_text(json.dumps({"pid": me.pid,
+                                                                "started": started}))
+        if code is not None:
+            (jobdir.control / "agent-1.exit").write_text(json.dumps({"exit_code": code}))
+    # "ended": its head ended the job while this daemon ran
+    Shares(root, Launcher()).stop("ended", now=True)
+    assert (root / "ended" / "control" / "share-stopped.json").is_file()
+    # an attempt newer than its pid file: that agent never started, the older one is not it
+    _, older = share(tmp_path, "older")
+    for attempt in (1, 2):
+        (older.control / f"agent-{attempt}.json").write_text(json.dumps({"run_id": "o"}))
+    (older.control / "agent-1.pid").write_text(json.dumps({"pid": me.pid,
+                                                           "started": me.create_time()}))
+    restarted = Shares(root, Launcher())
+    status = {s.job: (s.agent_alive, s.exit_code) for s in restarted.status()}
+    assert status == {"live": (True, -1), "done": (False, 0)}
