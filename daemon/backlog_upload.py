@@ -72,19 +72,41 @@ def local_backlog(local_dir: Path) -> list[Pending]:
     return out
 
 
+def awaiting_commit(local_dir: Path) -> int | None:
+    """This node's newest checkpoint step when its part here is uploaded and rank 0 runs on
+    another node (no rank-0 marker of it here): that node owes its commit. Nothing is left to
+    upload here, but the job's end waits for it. None otherwise (local_backlog covers a step
+    whose rank 0 is here or whose part here is not uploaded yet)."""
+    steps: dict[int, list[tuple[int, str]]] = {}  # step -> (rank, marker state) here
+    for marker in local_dir.glob(f"{layout.LOCAL_STATE_DIR}/step-*/rank-*.json"):
+        rec = read_marker(marker)
+        if rec and rec.get("meta") is not None:
+            steps.setdefault(int(rec["step"]), []).append(
+                (int(rec.get("rank", -1)), str(rec.get("state"))))
+    if not steps:
+        return None
+    newest = max(steps)
+    here = steps[newest]
+    if any(rank == 0 for rank, _ in here) or any(state != "uploaded" for _, state in here):
+        return None
+    return newest
+
+
 class BacklogUpload:
     """Uploads (and, holding rank 0, commits) one job's backlog on this node in background
     threads, retrying with backoff while the store is down. `pending()` empties once every step
-    is committed (rank 0) or uploaded (other ranks), or given up as abandoned."""
+    is committed (rank 0) or uploaded (other ranks), or given up as abandoned. `remote_steps`:
+    steps whose parts here are uploaded and whose commit another node owes (awaiting_commit):
+    nothing to do here, but `not_durable` names them until their MANIFEST is in the store."""
 
     def __init__(self, cfg: JobConfig, job_id: str, run_dir: Path, local_dir: Path,
                  restart: int = 0, storage: Storage | None = None, retry_s: float = RETRY_S,
-                 max_retry_s: float = MAX_RETRY_S) -> None:
+                 max_retry_s: float = MAX_RETRY_S, remote_steps: tuple[int, ...] = ()) -> None:
         self.job_name, self.job_id, self.cfg = cfg.name, job_id, cfg
         self.run_dir, self.local_dir = run_dir, local_dir
         self.log = get_logger("ds3d.backlog", job=cfg.name)
         found = local_backlog(local_dir)
-        self.steps = sorted({p.step for p in found})
+        self.steps = sorted({p.step for p in found} | set(remote_steps))
         self.errors: dict[int, str] = {p.step: p.error for p in found if p.error}
         self.committed: list[int] = []
         self.abandoned: list[int] = []
@@ -93,7 +115,7 @@ class BacklogUpload:
         self._reporters: dict[int, Reporter] = {}
         self._uploaders: list[Uploader] = []
         self._closed = False
-        for rank in sorted({p.rank for p in found}):
+        for rank in sorted({p.rank for p in found}):  # remote_steps alone: no records
             self._reporters[rank] = Reporter(run_dir, rank, restart)
             up = Uploader(self.storage, local_dir, rank, cfg.parallel.world_size,
                           committer=rank == 0, retry_interval=retry_s,
@@ -105,11 +127,25 @@ class BacklogUpload:
 
     @classmethod
     def start_if_needed(cls, cfg: JobConfig, job_id: str, run_dir: Path, local_dir: Path,
-                        restart: int = 0) -> BacklogUpload | None:
-        """A running backlog upload, or None when this node has nothing left to upload."""
-        if not local_backlog(local_dir):
+                        restart: int = 0, remote_commit: bool = False) -> BacklogUpload | None:
+        """A running backlog upload, or None when this node has nothing left to upload and,
+        with `remote_commit` (the node that decides the job's end), its newest checkpoint is
+        not one whose commit another node still owes (awaiting_commit, checked against the
+        store: owed while the store cannot be read)."""
+        found = local_backlog(local_dir)
+        owed = awaiting_commit(local_dir) if remote_commit else None
+        if not found and owed is None:
             return None
-        return cls(cfg, job_id, run_dir, local_dir, restart)
+        storage = config_storage(cfg, run_dir)
+        remote = [] if owed is None else [owed]
+        try:
+            remote = [s for s in remote if not storage.exists(layout.manifest_key(s))]
+        except Ds3dError:
+            pass
+        if not found and not remote:
+            return None
+        return cls(cfg, job_id, run_dir, local_dir, restart, storage=storage,
+                   remote_steps=tuple(remote))
 
     def not_durable(self) -> list[int]:
         """Steps of this backlog (not abandoned) whose MANIFEST the store does not hold: with

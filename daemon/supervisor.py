@@ -363,8 +363,11 @@ class JobSupervisor:
         the next one ingests the backlog's last records before the job ends."""
         if self.backlog is None:
             cfg = self._config(job)
+            # remote_commit: also a final checkpoint whose parts are uploaded here and whose
+            # commit the node of rank 0 still owes (awaiting_commit)
             self.backlog = BacklogUpload.start_if_needed(cfg, job.job_id, self.jobdir.path,
-                                                         self._local_dir(job), job.restarts)
+                                                         self._local_dir(job), job.restarts,
+                                                         remote_commit=True)
             if self.backlog is None:
                 return True
             self.store.record(self.name, EventKind.CHECKPOINT,

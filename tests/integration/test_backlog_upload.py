@@ -152,9 +152,10 @@ def test_a_restarted_share_daemon_resumes_its_backlog(
     """DP 2 with rank 0 on the share node B, as above. During the outage B's ds3dd starts the
     backlog of its exited share and is SIGKILLed; the gateway comes back while B is down: the
     head uploads rank 1's part but keeps the job RUNNING, its status naming the commit it waits
-    for and the node that does not answer. B's ds3dd is started again (same state dir and
-    address): it finds the share's exited agent and its pending checkpoints, uploads rank 0's
-    part and commits, and only then is the job COMPLETED."""
+    for and the node that does not answer. The head's ds3dd is SIGKILLed and started again: it
+    has nothing left to upload, yet it still waits for that commit. B's ds3dd is started again
+    (same state dir and address): it finds the share's exited agent and its pending
+    checkpoints, uploads rank 0's part and commits, and only then is the job COMPLETED."""
     env = {**rgw_server.env(), "DS3D_S3_MAX_ATTEMPTS": "1", "DS3D_S3_OUTAGE_RETRIES": "1"}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -188,6 +189,20 @@ def test_a_restarted_share_daemon_resumes_its_backlog(
         assert f"{STEPS}] (node(s) {b.addr} do not answer)" in job["message"], job
         assert not _manifest_exists(client, rgw_bucket, STEPS, "rs")
         assert f'"step":{STEPS},"phase":"committed"' not in _rank_records(share_dir, 0)
+        # the head's ds3dd crashes too: nothing is left to upload there, but the restarted
+        # daemon still waits for rank 0's node to commit the final step
+        a.kill()
+        a.argv[a.argv.index("--listen") + 1] = a.addr  # the address in the job's hosts
+        a.start()
+        job = a.wait_for("rs", lambda j: j["state"] != "RUNNING" or sum(
+            1 for e in a.events("rs") if e.get("cause") == "backlog") >= 2,
+            "the restarted head waiting again", timeout_s=120)
+        assert job["state"] == "RUNNING", job
+        job = a.wait_for("rs", lambda j: j["state"] != "RUNNING" or f"commit steps [{STEPS}] "
+                         f"(node(s) {b.addr} do not answer)" in j["message"],
+                         "the restarted head naming the commit it waits for", timeout_s=60)
+        assert job["state"] == "RUNNING", job
+        assert not _manifest_exists(client, rgw_bucket, STEPS, "rs")
         b.argv[b.argv.index("--listen") + 1] = b.addr  # the address the head calls
         b.start()
         done = a.wait_state("rs", "COMPLETED", "FAILED", "STOPPED", timeout_s=240)

@@ -49,3 +49,43 @@ def test_retries_back_off_up_to_the_limit(tmp_path: Path) -> None:
     finally:
         fixed.close()
         backing.close()
+
+
+def test_the_head_waits_for_a_commit_another_node_owes(tmp_path: Path) -> None:
+    """A head whose newest step's part is uploaded, with rank 0 (the committer) on another
+    node, has nothing to upload but must not end the job before that step's MANIFEST is in
+    the store: start_if_needed(remote_commit=True) returns a backlog naming it until then."""
+    from ds3d.checkpoints import layout
+    from ds3d.checkpoints.storage import open_storage
+    from ds3d.daemon.backlog_upload import BacklogUpload, awaiting_commit
+    from ds3d.trainer.config import build_job_config
+
+    local, files = tmp_path / "local", ["global_step10/x.pt"]
+    cfg = build_job_config("tiny", ["parallel.dp=2", f'checkpoint.store="file://{tmp_path}/s"'],
+                           name="j")
+    assert awaiting_commit(local) is None  # nothing saved here
+    write_marker(local, 10, 1, "uploaded", files, META)
+    write_marker(local, 20, 1, "uploaded", files, META)  # the final step: rank 0 elsewhere
+    assert local_backlog(local) == [] and awaiting_commit(local) == 20
+    # a node that does not decide the end (a share node) has nothing to do
+    assert BacklogUpload.start_if_needed(cfg, "id", tmp_path / "run", local) is None
+    backlog = BacklogUpload.start_if_needed(cfg, "id", tmp_path / "run", local,
+                                            remote_commit=True)
+    assert backlog is not None
+    try:
+        assert backlog.steps == [20] and backlog.pending() == []
+        assert backlog.not_durable() == [20]
+        store = open_storage(f"file://{tmp_path}/s/j")
+        store.put_bytes(layout.manifest_key(20), b"{}")
+        assert backlog.not_durable() == []
+    finally:
+        backlog.close()
+    # committed meanwhile: no backlog at all
+    assert BacklogUpload.start_if_needed(cfg, "id", tmp_path / "run", local,
+                                         remote_commit=True) is None
+    # rank 0's marker here, or this node's part not uploaded: local_backlog's business
+    write_marker(local, 30, 1, "pending", files, META)
+    assert awaiting_commit(local) is None
+    write_marker(local, 40, 0, "committed", files, META)
+    write_marker(local, 40, 1, "uploaded", files, META)
+    assert awaiting_commit(local) is None
