@@ -372,8 +372,10 @@ class JobSupervisor:
                 return True
             self.store.record(self.name, EventKind.CHECKPOINT,
                               f"the workers exited with checkpoint step(s) "
-                              f"{self.backlog.steps} not durable; ds3dd uploads them before "
-                              f"the job becomes {end.name}", cause="backlog",
+                              f"{self.backlog.steps} not durable; " + (
+                                  "ds3dd uploads them" if self.backlog.pending() else
+                                  "waits for the node of rank 0 to commit them") +
+                              f" before the job becomes {end.name}", cause="backlog",
                               step=self.backlog.steps[-1],
                               detail={"steps": self.backlog.steps, "end": end.name})
         waiting = self.backlog.describe() if self.backlog.pending() else None
@@ -390,9 +392,11 @@ class JobSupervisor:
         backlog.finish()
         took = time.time() - backlog.started
         self.store.record(self.name, EventKind.CHECKPOINT,
-                          f"backlog durable after {took:.0f} s: checkpoint step(s) "
-                          f"{sorted(backlog.committed)} committed by ds3dd after the workers "
-                          f"exited" + (f"; abandoned {sorted(backlog.abandoned)}"
+                          f"backlog durable after {took:.0f} s: checkpoint step(s) " + (
+                              f"{sorted(backlog.committed)} committed by ds3dd"
+                              if backlog.committed or backlog.abandoned else
+                              f"{backlog.steps} committed by the node of rank 0") +
+                          " after the workers exited" + (f"; abandoned {sorted(backlog.abandoned)}"
                                        if backlog.abandoned else ""),
                           cause="backlog_durable",
                           step=max(backlog.committed, default=backlog.steps[-1]),

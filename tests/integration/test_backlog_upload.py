@@ -208,6 +208,9 @@ def test_a_restarted_share_daemon_resumes_its_backlog(
         done = a.wait_state("rs", "COMPLETED", "FAILED", "STOPPED", timeout_s=240)
         assert done["state"] == "COMPLETED", done
         assert done["step"] == STEPS and done["last_checkpoint_step"] == STEPS, done
+        durable = [e for e in a.events("rs") if e.get("cause") == "backlog_durable"]
+        assert len(durable) == 1, durable  # by the restarted head
+        assert f"[{STEPS}] committed by the node of rank 0" in durable[0]["message"], durable
     # B's restarted ds3dd committed the final step; the head uploaded rank 1's part
     assert f'"step":{STEPS},"phase":"committed","source":"ds3dd"' in \
         _rank_records(share_dir, 0)
