@@ -495,6 +495,9 @@ class Shares:
             self._fence(name, leader_token, "StopShare")
             handle = self._agents.get(name)  # kept: NodeStatus reports how it ended
             backlog = self._backlogs.get(name)
+        if backlog is not None and backlog.pending():  # returns after the attempt in flight
+            backlog.close()
+            log.info("share backlog closed: the job ended", job=name, left=backlog.pending())
         jobdir = self._jobdir(name)
         try:
             if jobdir is not None:
@@ -502,9 +505,6 @@ class Shares:
                                   json.dumps({"time": time.time()}))
         except OSError as e:  # a restarted daemon would report the ended share again
             log.warning("share not marked ended", job=name, error=str(e))
-        if backlog is not None and backlog.pending():
-            backlog.close()
-            log.info("share backlog closed: the job ended", job=name, left=backlog.pending())
         if handle is None or handle.poll() is not None:
             return False
         handle.ref.terminate(grace_s=1.0 if now else 30.0)

@@ -246,3 +246,51 @@ def test_stop_now_does_not_wait_and_names_the_local_only_steps(
         assert "stay only in this node's local tier" in done["message"], done
         assert f"{STEPS}]" in done["message"], done
         assert not _manifest_exists(client, rgw_bucket, STEPS, "sn")
+
+
+def test_stop_now_ends_the_share_nodes_backlog_too(
+        rgw_cluster: Any, rgw_server: Any, rgw_bucket: str, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """DP 2 with rank 0 on the share node B: `stop --now` while both nodes wait for the store
+    ends the job STOPPED, and B's ds3dd stops uploading too (StopShare closes its backlog):
+    once the gateway is back, no part of the outage's steps comes from B within more than the
+    longest retry interval (30 s)."""
+    env = {**rgw_server.env(), "DS3D_S3_MAX_ATTEMPTS": "1", "DS3D_S3_OUTAGE_RETRIES": "1"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with loopback_nodes(tmp_path) as (a, b):
+        r = a.ctl("start", "tiny", "--name", "ss", "--dp", "2", "--steps", str(STEPS),
+                  "--hosts", f"{a.addr},{b.addr}",
+                  "--set", f"checkpoint.interval={INTERVAL}",
+                  "--set", "checkpoint.store_wait_s=2",
+                  "--set", f'checkpoint.store="s3://{rgw_bucket}/jobs"')
+        assert r.returncode == 0, r.stderr
+        client = rgw_server.client()
+        _wait_for_first_commit(a, client, rgw_bucket, "ss", timeout_s=300)
+        share_dir = b.state_dir / "shares" / "ss"
+        failed = f'"step":{STEPS},"phase":"failed","source":"ds3dd"'
+        with rgw_cluster.gateway_down():
+            assert a.job("ss")["step"] < STEPS, "trained to the end before the outage"
+            a.wait_for("ss", lambda j: "final checkpoint step" in j["message"],
+                       "the backlog named in the status", timeout_s=300)
+            deadline = time.monotonic() + 120
+            while failed not in _rank_records(share_dir, 0):  # B's backlog runs
+                assert time.monotonic() < deadline, "B's ds3dd did not start its backlog"
+                time.sleep(0.5)
+            r = a.ctl("stop", "ss", "--now")
+            assert r.returncode == 0, r.stderr
+            done = a.wait_state("ss", "STOPPED", "COMPLETED", "FAILED", timeout_s=60)
+            assert done["state"] == "STOPPED", done
+            # the head's StopShare follows the transition; B marks the share ended once its
+            # backlog is closed (an attempt in flight finished, failing: the gateway is down)
+            deadline = time.monotonic() + 30
+            while not (share_dir / "control" / "share-stopped.json").is_file():
+                assert time.monotonic() < deadline, "B was not told the job ended"
+                time.sleep(0.2)
+        time.sleep(40.0)  # B's backlog, were it still running, retries within 30 s
+        for step in range(2 * INTERVAL, STEPS + 1, INTERVAL):  # those of the outage
+            part = f"jobs/ss/{layout.part_key(step, 0)}"
+            assert not client.list_objects_v2(Bucket=rgw_bucket, Prefix=part).get("KeyCount"), \
+                part
+        assert '"phase":"uploaded","source":"ds3dd"' not in _rank_records(share_dir, 0)
+    assert not _manifest_exists(client, rgw_bucket, STEPS, "ss")
