@@ -60,7 +60,7 @@ SECTIONS = ["peak", "minimal", "minimal_compile", "deepspeed", "deepspeed_compil
             "ds3d_compile"]
 OPTIONAL = ["minimal_unfused_adam", "minimal_math_attention", "deepspeed_unfused",
             "deepspeed_stock_bf16", "deepspeed_compile_stock_bf16", "profile",
-            "checkpoint", "restore", "rollback", "goodput"]
+            "checkpoint", "restore", "rollback", "goodput", "pinning"]
 # (name, --set overrides of the bench job): sizes, micro-batches, checkpointing and ZeRO stages
 MEMORY_CONFIGS = {
     "gpt1b_mb8": ["train.micro_batch_size=8"],
@@ -813,6 +813,112 @@ def sec_goodput(args) -> dict:
     return out
 
 
+def sec_pinning(args) -> dict:
+    """How page-locking the snapshot arena holds up CUDA work beside it: one cudaHostRegister
+    of the whole arena against registering it in pieces, on a fresh and on a prefaulted buffer,
+    while a thread launches matmuls and times each (the longest gap is the stall a training
+    step or an engine build would see); and whether a device-to-host copy into a range that
+    spans two registered pieces still runs at pinned speed."""
+    import ctypes
+    import threading
+
+    import torch
+
+    from ds3d.checkpoints.host_memory import anonymous_buffer
+
+    if args.device != "cuda":
+        return {"skipped": "no GPU"}
+    nbytes = (2 << 30) if args.quick else (20 << 30)
+    piece = 512 << 20
+    cudart = torch.cuda.cudart()
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+
+    def probe(register) -> dict:
+        ends: list[tuple[float, float]] = []  # (end time, seconds) of each matmul + sync
+        stop = threading.Event()
+
+        def work() -> None:
+            t = time.perf_counter()
+            while not stop.is_set():
+                a @ a
+                torch.cuda.synchronize()
+                now = time.perf_counter()
+                ends.append((now, now - t))
+                t = now
+
+        th = threading.Thread(target=work)
+        th.start()
+        time.sleep(1.0)
+        base = statistics.median(g for _, g in ends)
+        t0 = time.perf_counter()
+        extra = register()
+        t1 = time.perf_counter()
+        time.sleep(0.5)
+        stop.set()
+        th.join()
+        during = [g for end, g in ends if t0 < end <= t1 + 0.5]
+        return {"register_s": t1 - t0, "iter_base_s": base,
+                "max_gap_s": max(during, default=0.0),
+                "work_done_during_vs_idle": len(during) * base / (t1 - t0 + 0.5),
+                **(extra or {})}
+
+    out: dict = {"bytes": nbytes, "piece_bytes": piece}
+
+    def whole(prefault: bool) -> dict:
+        buf = anonymous_buffer(nbytes)
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+        info: dict = {}
+        if prefault:
+            t0 = time.perf_counter()
+            torch.frombuffer(buf, dtype=torch.uint8).fill_(1)
+            info["prefault_s"] = time.perf_counter() - t0
+
+        def reg() -> dict:
+            rc = int(cudart.cudaHostRegister(addr, nbytes, 0))
+            return {"rc": rc}
+        r = probe(reg)
+        r.update(info)
+        cudart.cudaHostUnregister(addr)
+        del buf
+        return r
+
+    def pieces() -> dict:
+        buf = anonymous_buffer(nbytes)
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+
+        def reg() -> dict:
+            rcs = []
+            for off in range(0, nbytes, piece):
+                rcs.append(int(cudart.cudaHostRegister(addr + off, min(piece, nbytes - off), 0)))
+                time.sleep(0.002)
+            return {"rc": max(rcs)}
+        r = probe(reg)
+        # a 1 GiB copy into one piece against one spanning two pieces' boundary
+        host = torch.frombuffer(buf, dtype=torch.uint8)
+        src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+        for name, start in (("inside", 2 * piece), ("spanning", 3 * piece - (1 << 29))):
+            dst = host[start:start + (1 << 30)]
+            ts = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                dst.copy_(src, non_blocking=True)
+                torch.cuda.synchronize()
+                ts.append(time.perf_counter() - t0)
+            r[f"d2h_{name}_GBps"] = (1 << 30) / min(ts) / 1e9
+        for off in range(0, nbytes, piece):
+            cudart.cudaHostUnregister(addr + off)
+        del host, buf
+        return r
+
+    out["whole_fresh"] = whole(False)
+    progress("whole fresh", **out["whole_fresh"])
+    out["pieces_fresh"] = pieces()
+    progress("pieces fresh", **out["pieces_fresh"])
+    out["whole_prefaulted"] = whole(True)
+    progress("whole prefaulted", **out["whole_prefaulted"])
+    return out
+
+
 def sec_engine_build(args) -> dict:
     """The bare engine build (no checkpoint load) of the restore's floor."""
     cfg, device, layout, TrainStep = engine_stack(args, ["checkpoint.keep_last=2"])
@@ -980,7 +1086,7 @@ def run_section(name: str, args) -> dict:
           "ds3d_compile": lambda a: sec_ds3d(a, compile_=True),
           "profile": sec_profile, "checkpoint": sec_checkpoint, "restore": sec_restore,
           "engine_build": sec_engine_build, "rollback": sec_rollback,
-          "goodput": sec_goodput}[name]
+          "goodput": sec_goodput, "pinning": sec_pinning}[name]
     return fn(args)
 
 

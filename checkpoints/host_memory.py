@@ -23,3 +23,53 @@ def anonymous_buffer(nbytes: int) -> mmap.mmap:
         except OSError:  # a kernel without transparent huge pages: 4 KiB pages, as before
             pass
     return buf
+
+
+# Page-locking 20 GB with one cudaHostRegister holds CUDA's driver lock for ~8-11 s on an
+# H200: every kernel launch and copy of the training thread (or of a restore's engine build)
+# waits behind it. Registered a piece at a time, the lock is let go between pieces.
+PIN_PIECE_BYTES = 1 << 30
+
+
+def register_in_pieces(address: int, nbytes: int, piece: int = PIN_PIECE_BYTES,
+                       pause_s: float = 0.002) -> list[int] | None:
+    """Page-locks [address, address + nbytes) with CUDA one `piece` at a time, pausing between
+    pieces so that other threads' CUDA calls get the driver in between. Returns the registered
+    pieces' addresses (for `unregister_pieces`), or None, with nothing left registered, when
+    one failed (host memory short, or the locked-memory limit)."""
+    import time
+
+    import torch
+
+    cudart = torch.cuda.cudart()
+    done: list[int] = []
+    for offset in range(0, nbytes, piece):
+        if int(cudart.cudaHostRegister(address + offset, min(piece, nbytes - offset), 0)) != 0:
+            unregister_pieces(done)
+            return None
+        done.append(address + offset)
+        time.sleep(pause_s)
+    return done
+
+
+def unregister_pieces(addresses: list[int]) -> None:
+    if not addresses:
+        return
+    import torch
+
+    cudart = torch.cuda.cudart()
+    for address in addresses:
+        cudart.cudaHostUnregister(address)
+
+
+def piece_ranges(offset: int, nbytes: int, element_size: int,
+                 piece: int = PIN_PIECE_BYTES) -> list[tuple[int, int]]:
+    """The element ranges of a tensor at byte `offset` of a buffer registered in `piece`s that
+    each lie within one piece (a copy across two registrations may run as pageable memory).
+    `offset` is a multiple of the element size, as every carved tensor's is."""
+    ranges, a, end = [], offset, offset + nbytes
+    while a < end:
+        b = min(end, (a // piece + 1) * piece)
+        ranges.append(((a - offset) // element_size, (b - offset) // element_size))
+        a = b
+    return ranges

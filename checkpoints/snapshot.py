@@ -61,7 +61,13 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 
 from .disk_space import Shortage, is_disk_full, shortage
 from .errors import CheckpointError
-from .host_memory import anonymous_buffer
+from .host_memory import (
+    PIN_PIECE_BYTES,
+    anonymous_buffer,
+    piece_ranges,
+    register_in_pieces,
+    unregister_pieces,
+)
 from .read_ahead import load_buffer
 
 DurableCallback = Callable[[str, list[str]], None]
@@ -100,7 +106,8 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         self._full: dict[str, BaseException] = {}  # writer thread: tags whose disk was full
         self._error: BaseException | None = None
         self._arena: mmap.mmap | None = None  # host memory the snapshots are carved from
-        self._arena_address: int | None = None  # its address, when registered (pinned) with CUDA
+        self._arena_pieces: list[int] = []  # its pieces' addresses, registered (pinned) with CUDA
+        self._pin_piece = PIN_PIECE_BYTES
         self._arena_used = 0
         self._arena_thread: threading.Thread | None = None
         self._device_copies = False  # the last save copied from the GPU (asynchronously)
@@ -134,7 +141,7 @@ class SnapshotCheckpointEngine(CheckpointEngine):
 
     def load(self, path: str, map_location: Any = None) -> Any:
         if self._serving is not None:
-            return self._serve(self._serving, path)
+            return self._serve(self._serving, path, self._device_host_copy)
         served = self._served_files.get(os.path.normpath(os.path.abspath(path)))
         if served is not None:
             return load_buffer(served, map_location)
@@ -163,16 +170,19 @@ class SnapshotCheckpointEngine(CheckpointEngine):
 
     def reserve_pinned(self, nbytes: int, pin: bool = True) -> None:
         """Starts reserving a host arena of `nbytes` for the snapshots on a background thread,
-        registered with CUDA (page-locked) when `pin`. One cudaHostRegister of an anonymous
-        mapping: torch's pinned allocator would round 20 GB up to the next power of two."""
+        registered with CUDA (page-locked) when `pin`: an anonymous mapping registered a GiB
+        at a time (one registration of 20 GB would hold CUDA's driver lock, and so the training
+        thread or a restore's engine build, for ~10 s); not torch's pinned allocator, which
+        would round 20 GB up to the next power of two."""
         if self._arena_thread is not None or nbytes <= 0 or (pin and not torch.cuda.is_available()):
             return
 
         def reserve() -> None:
             arena = anonymous_buffer(nbytes)
             address = ctypes.addressof(ctypes.c_char.from_buffer(arena))
-            if not pin or int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)) == 0:
-                self._arena, self._arena_address = arena, address if pin else None
+            pieces = register_in_pieces(address, nbytes, self._pin_piece) if pin else []
+            if pieces is not None:
+                self._arena, self._arena_pieces = arena, pieces
             else:  # host memory short or locked-memory limit: pin per tensor instead
                 self._arena_thread = None
 
@@ -255,9 +265,8 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         self._thread.join(timeout=60)
         if self._arena is not None:
             self._buffers = {}  # the arena's views go first (mmap refuses to close under them)
-            if self._arena_address is not None:
-                torch.cuda.cudart().cudaHostUnregister(self._arena_address)
-            self._arena = self._arena_address = None
+            unregister_pieces(self._arena_pieces)
+            self._arena, self._arena_pieces = None, []
         self._raise_pending_error()
 
     def _raise_pending_error(self) -> None:
@@ -266,7 +275,8 @@ class SnapshotCheckpointEngine(CheckpointEngine):
             raise RuntimeError(f"background checkpoint write failed: {err}") from err
 
     @staticmethod
-    def _serve(serving: _Serving, path: str) -> Any:
+    def _serve(serving: _Serving, path: str, copier: Callable[[torch.Tensor, torch.Tensor],
+                                                                None]) -> Any:
         folder, name = os.path.split(os.path.normpath(path))
         if folder != serving.folder or (name not in serving.mine and name not in serving.others):
             raise CheckpointError(f"rollback from memory: {path} is not part of the held "
@@ -280,7 +290,7 @@ class SnapshotCheckpointEngine(CheckpointEngine):
             if free < nbytes * 1.1 + (1 << 30):
                 device = None  # no room for a second copy of this file: host memory
         return _fresh_copy(snapshot, device if device is not None and device.type == "cuda"
-                           else None)
+                           else None, copier)
 
     def _to_host(self, obj: Any, name: str, counter: list[int]) -> Any:
         if isinstance(obj, torch.Tensor):
@@ -307,8 +317,30 @@ class SnapshotCheckpointEngine(CheckpointEngine):
                 return t.to("cpu", copy=True)
             self._buffers[key] = buf
         self._device_copies |= t.device.type == "cuda"
-        buf.copy_(t, non_blocking=t.device.type == "cuda")
+        if t.device.type == "cuda":
+            self._device_host_copy(buf, t)
+        else:
+            buf.copy_(t)
         return buf
+
+    def _device_host_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """`dst.copy_(src)` between a GPU and host memory, asynchronous, as one copy per
+        registered piece of the arena the host side lies in: a copy whose host range spans two
+        registrations may be staged like pageable memory."""
+        host = dst if dst.device.type == "cpu" else src
+        ranges: list[tuple[int, int]] = []
+        if self._arena is not None and self._arena_pieces and host.is_contiguous() \
+                and dst.is_contiguous() and src.is_contiguous():
+            offset = host.data_ptr() - self._arena_pieces[0]
+            nbytes = host.numel() * host.element_size()
+            if 0 <= offset and offset + nbytes <= len(self._arena):
+                ranges = piece_ranges(offset, nbytes, host.element_size(), self._pin_piece)
+        if len(ranges) <= 1:
+            dst.copy_(src, non_blocking=True)
+            return
+        flat_dst, flat_src = dst.view(-1), src.view(-1)
+        for i, j in ranges:
+            flat_dst[i:j].copy_(flat_src[i:j], non_blocking=True)
 
     def _new_buffer(self, t: torch.Tensor) -> torch.Tensor | None:
         """A host buffer for `t`: carved from the arena when one was asked for (None while it
@@ -377,22 +409,27 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         self.on_failed(tag, paths, short, str(error))
 
 
-def _fresh_copy(obj: Any, device: torch.device | None = None) -> Any:
+def _fresh_copy(obj: Any, device: torch.device | None = None,
+                copier: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> Any:
     """What `torch.load` of a snapshot's file gives: the same structure, values and dtypes, in
     new tensors and objects that share nothing with the snapshot (tensors of 1 MiB or more on
     `device` when one is given)."""
     if isinstance(obj, torch.Tensor):
         if device is not None and obj.numel() * obj.element_size() >= 1 << 20:
-            return obj.to(device, copy=True, non_blocking=True)
+            if copier is None:
+                return obj.to(device, copy=True, non_blocking=True)
+            out = torch.empty_like(obj, device=device)
+            copier(out, obj)
+            return out
         return obj.clone()
     if isinstance(obj, dict):
-        return type(obj)((k, _fresh_copy(v, device)) for k, v in obj.items())
+        return type(obj)((k, _fresh_copy(v, device, copier)) for k, v in obj.items())
     if isinstance(obj, list):
-        return [_fresh_copy(v, device) for v in obj]
+        return [_fresh_copy(v, device, copier) for v in obj]
     if isinstance(obj, torch.Size):
         return obj
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_fresh_copy(v, device) for v in obj)
+        return tuple(_fresh_copy(v, device, copier) for v in obj)
     return copy.deepcopy(obj)
 
 

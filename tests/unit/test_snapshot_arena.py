@@ -82,3 +82,36 @@ def test_a_short_arena_gives_tensors_buffers_of_their_own(tmp_path):
     # the small tensors were still carved from it; the empty tensor needs no buffer from it
     assert _in_arena(engine) == {(1000,): False, (7, 3): True, (): True, (5,): True, (0,): False}
     engine.close()
+
+
+def test_piece_ranges_split_a_tensor_where_it_crosses_a_registration():
+    from ds3d.checkpoints.host_memory import piece_ranges
+
+    assert piece_ranges(0, 400, 4, piece=1024) == [(0, 100)]
+    assert piece_ranges(768, 512, 4, piece=1024) == [(0, 64), (64, 128)]
+    assert piece_ranges(1024, 2048, 2, piece=1024) == [(0, 512), (512, 1024)]
+    assert piece_ranges(256, 3000, 8, piece=1024) == [(0, 96), (96, 224), (224, 352), (352, 375)]
+    assert piece_ranges(512, 0, 4, piece=1024) == []
+
+
+def test_a_copy_into_an_arena_registered_in_pieces_lands_whole(tmp_path):
+    """The arena is page-locked a piece at a time on a GPU; a copy into a buffer that crosses
+    pieces is split at their edges. Here the pieces are 1 KiB (not registered: CPU), and every
+    carved buffer must still receive each of its source's bytes at the right place."""
+    engine = SnapshotCheckpointEngine()
+    engine.reserve_pinned(64 << 10, pin=False)
+    engine._arena_thread.join()
+    probe = torch.frombuffer(engine._arena, dtype=torch.uint8, count=1)
+    engine._arena_pieces, engine._pin_piece = [probe.data_ptr()], 1024
+    del probe
+    sources = [torch.randn(1000), torch.randn(300).to(torch.bfloat16), torch.randn(7, 129),
+               torch.arange(2000, dtype=torch.int64)]
+    for src in sources:
+        dst = engine._carve(src)
+        assert dst is not None
+        engine._device_host_copy(dst, src)
+        assert torch.equal(dst, src)
+    assert engine._arena_used > 3 * 1024  # the buffers did cross several pieces
+    engine._arena_pieces = []  # nothing was registered: nothing to unregister
+    engine._buffers = {}
+    engine.close()
