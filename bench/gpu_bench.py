@@ -687,7 +687,7 @@ def sec_restore(args) -> dict:
 GOODPUT_KINDS = ["nan", "crash", "spike"]  # in turn, every --goodput-every s from half of it
 GOODPUT_EVERY_S = 120.0
 GOODPUT_WINDOW_S = 360.0  # training time measured in the faulty run
-GOODPUT_REFERENCE_S = 90.0  # ... and in the fault-free run of the same invocation
+GOODPUT_REFERENCE_S = 60.0  # ... and in the fault-free run of the same invocation
 GOODPUT_SETS = ["checkpoint.keep_last=1", "faults.spike_policy=\"rollback\"",
                 "faults.spike_window=20", "faults.spike_mads=20"]
 GOODPUT_INTERVAL = 120  # steps (~34 s of the gpt1b job; a save's write + commit took 44-49 s)
@@ -764,9 +764,10 @@ def _goodput_run(args, name: str, window_s: float, faults: list[tuple[float, str
            "start_to_first_step_s": t_first - t_launch,
            "checkpoint_interval_steps": cfg.checkpoint.interval,
            "saves": [r for r in all_recs if r["kind"] == "checkpoint" and
-                     r.get("phase") in ("saved", "committed") and r["time"] <= t_end]}
-    out["saves"] = [{k: r.get(k) for k in ("phase", "step", "blocked_s", "time")}
-                    for r in out["saves"]]
+                     r.get("phase") in ("saved", "local_complete", "committed")
+                     and r["time"] <= t_end]}
+    out["saves"] = [{k: r.get(k) for k in ("phase", "step", "blocked_s", "seconds", "detail")}
+                    | {"at_s": round(r["time"] - t_first, 1)} for r in out["saves"]]
     for f in injected:
         done = run_dir / "control" / f"inject-done-{f['id']}"
         f["fired_s"] = done.stat().st_mtime - t_first if done.exists() else None
