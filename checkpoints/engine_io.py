@@ -367,7 +367,7 @@ class CheckpointManager:
         """Writer thread: this rank's files of `tag` are on local disk; queue the upload."""
         step, meta = self._meta.pop(tag)
         files = sorted(os.path.relpath(p, self.local_dir) for p in paths)
-        self.uploader.submit(step, files, meta)
+        self.uploader.submit(step, files, meta, written=self.snapshot.written(tag))
 
     def _on_write_failed(self, tag: str, paths: list[str], short: Shortage, error: str) -> None:
         """Writer thread: the local disk was full. The save is dropped (its partial files are
@@ -380,7 +380,7 @@ class CheckpointManager:
                   **short.fields())
 
     def _on_upload_event(self, ev: UploadEvent) -> None:
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = dict(ev.timings)  # local_complete: write_s, hash_s, ...
         if ev.kind == "committed":  # the whole checkpoint's size, for the upload-bytes metric
             try:
                 extra["bytes"] = self.catalog.load_manifest(ev.step, local_only=True).total_size

@@ -19,6 +19,15 @@ A save that arrives while the previous one is still being written waits for that
 `on_durable(tag, paths)` is called on the writer thread when all files of a tag are on disk; it
 must not use collectives (no process group is shared with the training thread).
 
+Each file is hashed while it is written (hashing_writer.py): the bytes `torch.save` hands over
+feed the file's sha256 and its 64 MiB pieces' hashes, the snapshot's host buffers are hashed in
+the background while the writes and the fsync go on, and the fsync is followed only by the
+wait for hashes still running. During `on_durable`, `written(tag)` gives those hashes and
+timings, so the uploader records the save local-complete without reading the files back. A
+digest is of exactly the bytes this process wrote, flushed and fsynced into the file, whose size
+on disk is checked against it after the rename; a file whose writer did anything but append
+has no digest and is hashed by reading it back.
+
 A full disk fails the save, never training: when a write of a tag runs out of space (ENOSPC or
 EDQUOT, `disk_space.is_disk_full`), the tag's remaining writes are skipped, every file of it
 written so far (and the partial temp file) is removed, and `on_failed(tag, paths, shortage,
@@ -53,6 +62,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import structlog
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
     CheckpointCommitInfo,
@@ -61,6 +71,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 
 from .disk_space import Shortage, is_disk_full, shortage
 from .errors import CheckpointError
+from .hashing_writer import HashingWriter, WrittenFile, WrittenSave
 from .host_memory import (
     PIN_PIECE_BYTES,
     anonymous_buffer,
@@ -69,6 +80,8 @@ from .host_memory import (
     unregister_pieces,
 )
 from .read_ahead import load_buffer
+
+log = structlog.get_logger("ds3d.checkpoints.snapshot")
 
 DurableCallback = Callable[[str, list[str]], None]
 # (tag, its file paths, what did not fit, the error's text): a save abandoned for a full disk
@@ -95,11 +108,17 @@ class _Serving:
 
 class SnapshotCheckpointEngine(CheckpointEngine):
     def __init__(self, on_durable: DurableCallback | None = None,
-                 on_failed: FailedCallback | None = None) -> None:
+                 on_failed: FailedCallback | None = None,
+                 hash_while_writing: bool = True) -> None:
+        """`hash_while_writing=False`: files are written plain and the uploader hashes them
+        by reading them back (the path before hashing_writer.py; the benchmark's baseline)."""
         super().__init__()
         self.name = "ds3d-snapshot"
         self.on_durable = on_durable
         self.on_failed = on_failed
+        self.hash_while_writing = hash_while_writing
+        self._written: dict[str, WrittenFile] = {}  # writer thread: files written, by path
+        self._durable: tuple[str, WrittenSave] | None = None  # the tag on_durable is called for
         self._jobs: queue.Queue[tuple[str, Any, Any]] = queue.Queue()
         self._buffers: dict[tuple[str, int], torch.Tensor] = {}
         self._staged: list[tuple[Any, str, int]] = []  # (host copy, path, its tensor bytes)
@@ -157,7 +176,7 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         for snapshot, path, _ in self._staged:
             self._jobs.put(("write", snapshot, path))
         self._staged = []
-        self._jobs.put(("commit", info.tag, (paths, needed)))
+        self._jobs.put(("commit", info.tag, (paths, needed, time.monotonic())))
         return True
 
     def preserves_storage_sharing(self) -> bool:
@@ -188,6 +207,12 @@ class SnapshotCheckpointEngine(CheckpointEngine):
 
         self._arena_thread = threading.Thread(target=reserve, name="ckpt-pin", daemon=True)
         self._arena_thread.start()
+
+    def written(self, tag: str) -> WrittenSave | None:
+        """Inside `on_durable(tag, ...)` (writer thread): the hashes of the tag's files taken
+        while they were written, and the writes' timings; None at any other time."""
+        durable = self._durable
+        return durable[1] if durable is not None and durable[0] == tag else None
 
     def held(self) -> HeldSnapshot | None:
         """The newest save's host copy, or None once a later save has begun (or none was
@@ -389,17 +414,24 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         if tag in self._full:
             return  # this save is abandoned already: its other files need no space
         try:
-            _atomic_save(snapshot, path)
+            self._written[path] = _atomic_save(
+                snapshot, path, _stable_ranges(snapshot) if self.hash_while_writing else None)
         except BaseException as e:
             if not is_disk_full(e):
                 raise
             self._full[tag] = e
 
-    def _commit(self, tag: str, paths: list[str], needed: int) -> None:
+    def _commit(self, tag: str, paths: list[str], needed: int, queued_at: float) -> None:
+        written = {p: w for p in paths if (w := self._written.pop(p, None)) is not None}
         error = self._full.pop(_tag_of(paths[0]) if paths else tag, None)
         if error is None:
             if self.on_durable is not None:
-                self.on_durable(tag, paths)
+                save = WrittenSave(written, queued_at, sum(w.write_s for w in written.values()))
+                self._durable = (tag, save)
+                try:
+                    self.on_durable(tag, paths)
+                finally:
+                    self._durable = None
             return
         _discard(paths)
         where = os.path.dirname(paths[0])
@@ -465,17 +497,49 @@ def _tmp_name(path: str) -> str:
     return f"{path}.tmp{os.getpid()}"
 
 
-def _atomic_save(obj: Any, path: str) -> None:
+def _stable_ranges(obj: Any) -> list[tuple[int, int]]:
+    """(address, bytes) of the storages of every tensor in a snapshot: host memory no one
+    writes while the writer thread serialises it (the next save's `create` waits for it)."""
+    out = []
+    for t in _tensors(obj):
+        if t.device.type == "cpu":
+            storage = t.untyped_storage()
+            out.append((storage.data_ptr(), storage.nbytes()))
+    return out
+
+
+def _atomic_save(obj: Any, path: str, stable: list[tuple[int, int]] | None) -> WrittenFile:
+    """Writes `obj` into `path` (temp file, fsync, rename), hashing its bytes on the way
+    unless `stable` is None (then the file has no digest and is hashed by reading it back)."""
     tmp = _tmp_name(path)
+    t0 = time.perf_counter()
     try:
         with open(tmp, "wb") as fh:
-            torch.save(obj, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
+            if stable is None:
+                torch.save(obj, fh)
+                fh.flush()
+                os.fsync(fh.fileno())
+                digest, waited = None, 0.0
+            else:
+                with HashingWriter(fh, stable) as hashing:
+                    torch.save(obj, hashing)
+                    fh.flush()
+                    os.fsync(fh.fileno())  # the hashes trailing the writes run meanwhile
+                    t_wait = time.perf_counter()
+                    digest = hashing.digest()
+                    waited = time.perf_counter() - t_wait
+                    if hashing.unknown is not None:
+                        log.warning("checkpoint_hash_read_back", path=path,
+                                    cause=hashing.unknown)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)  # a partial file would only take space
         raise
+    if digest is not None and os.stat(path).st_size != digest.size:
+        log.warning("checkpoint_hash_read_back", path=path, cause=f"the file is not the "
+                    f"{digest.size} bytes written into it")
+        digest = None
+    return WrittenFile(digest, time.perf_counter() - t0, waited)
 
 
 def _discard(paths: list[str]) -> None:

@@ -49,16 +49,19 @@ from . import layout
 from .deepspeed_latest import refresh_local_latest, write_store_latest
 from .disk_space import is_disk_full
 from .errors import CheckpointError, Ds3dError, NotFoundError
+from .hashing_writer import WrittenSave
 from .identity import ForeignPrefixError, manifest_is_mine
 from .local_complete import read_record, remove_record, write_record
 from .logs import configure_logging
 from .manifest import (
+    CHUNK_BYTES,
     CheckpointMeta,
     FileEntry,
     Layout,
     Manifest,
     PartManifest,
     file_entries,
+    hash_file_chunks,
     list_checkpoint_files,
     merge_parts,
     save_local_manifest,
@@ -257,6 +260,13 @@ class UploadEvent:
     rank: int
     seconds: float
     detail: str = ""
+    # "local_complete" of a save this process wrote: write_s (the writer thread's time on the
+    # rank's files: serialise, flush, fsync, rename, hashing alongside), hash_wait_s (of which
+    # waiting after the fsync for hashes still running), hash_s (reading files back to hash
+    # them: 0.0 when all were hashed while written), read_back_files, local_complete_s (from
+    # the end of the save's host copy to the record written, queueing behind earlier saves
+    # included); of any other (a resumed one): hash_s and read_back_files
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -270,12 +280,14 @@ class _Job:
     resumed: bool = False  # found pending by a new process (resume_pending)
     entries: list[FileEntry] | None = None  # the files' sizes and sha256, once hashed
     dropped: bool = False  # abandoned by a restore to an older step (drop_newer_than)
+    written: WrittenSave | None = None  # this process's writer hashed (some of) them: by rel path
 
 
 class Uploader:
     """One background thread per rank that uploads queued checkpoints in step order, fed by a
-    second one that hashes each saved checkpoint's files as soon as they are written and records
-    them local-complete (local_complete.py): a slow or absent store never delays that record."""
+    second one that hashes each saved checkpoint's files as soon as they are written (or takes
+    the hashes its writer took while writing them) and records them local-complete
+    (local_complete.py): a slow or absent store never delays that record."""
 
     def __init__(self, storage: Storage, local_dir: str | Path, rank: int, world_size: int, *,
                  committer: bool | None = None, commit_timeout: float = 600.0,
@@ -307,14 +319,23 @@ class Uploader:
         self._verifier.start()
 
     def submit(self, step: int, files: list[str], meta: CheckpointMeta,
-               resumed: bool = False) -> None:
-        """Queues a saved checkpoint (files relative to local_dir); returns at once."""
+               resumed: bool = False, written: WrittenSave | None = None) -> None:
+        """Queues a saved checkpoint (files relative to local_dir); returns at once.
+
+        `written`: what this process's writer thread hashed while writing these very files
+        (snapshot.py, `SnapshotCheckpointEngine.written`), keyed by the paths it wrote to
+        (absolute, or relative to local_dir); those files are not read back to be hashed."""
+        if written is not None:
+            written = WrittenSave({os.path.relpath(p, self.local_dir): f
+                                   for p, f in written.files.items()},
+                                  written.queued_at, written.write_s)
         with self._lock:
             if step in self._known:
                 return
             self._known.add(step)
             self._busy += 1
-            job = self._jobs[step] = _Job(step, list(files), meta, resumed=resumed)
+            job = self._jobs[step] = _Job(step, list(files), meta, resumed=resumed,
+                                          written=written)
         write_marker(self.local_dir, step, self.rank, "pending", files, meta)
         self._verify.put(job)
 
@@ -360,9 +381,10 @@ class Uploader:
         layout.local_rank_marker(self.local_dir, step, self.rank).unlink(missing_ok=True)
 
     def _verify_loop(self) -> None:
-        """Hashes each submitted checkpoint's files once, records it local-complete, then
-        hands it to the upload thread. A resumed one whose record lists the same files keeps
-        the record's hashes (the restore that may use it checks them again)."""
+        """Hashes each submitted checkpoint's files once (unless its writer hashed them while
+        writing them: `submit`'s `written`), records it local-complete, then hands it to the
+        upload thread. A resumed one whose record lists the same files keeps the record's
+        hashes (the restore that may use it checks them again)."""
         while not self._stop.is_set():
             job = self._verify.get()
             if job is None or self._stop.is_set():
@@ -378,7 +400,7 @@ class Uploader:
             job.entries = old.part.files
             return
         try:
-            job.entries = file_entries(self.local_dir, job.files)
+            job.entries, read_back, hash_s = self._entries(job)
             with self._local_state:
                 if job.dropped:
                     return
@@ -387,7 +409,44 @@ class Uploader:
             log.warning("checkpoint_local_unverified", step=job.step, rank=self.rank,
                         detail=str(e))
             return
-        self._emit("local_complete", job, t0)
+        timings = {"hash_s": round(hash_s, 3), "read_back_files": float(read_back)}
+        said = []
+        w = job.written
+        if w is not None:
+            timings |= {"write_s": round(w.write_s, 3), "hash_wait_s": round(w.hash_wait_s, 3),
+                        "local_complete_s": round(time.monotonic() - w.queued_at, 3)}
+            said.append(f"written in {w.write_s:.2f} s")
+            if len(job.entries) > read_back:
+                said.append(f"{len(job.entries) - read_back} file(s) hashed while written "
+                            f"({w.hash_wait_s:.2f} s waited after the fsync)")
+        if read_back:
+            said.append(f"{read_back} file(s) read back and hashed in {hash_s:.2f} s")
+        if w is not None:
+            said.append(f"local-complete {timings['local_complete_s']:.2f} s after the snapshot")
+        self._emit("local_complete", job, t0, ", ".join(said), timings)
+
+    def _entries(self, job: _Job) -> tuple[list[FileEntry], int, float]:
+        """The job's files' entries: each from the hashes its writer took while writing it,
+        when there are some and the file is still the size written, else by reading it back
+        (hash_file_chunks). Returns (entries, files read back, seconds reading back)."""
+        written = job.written.files if job.written is not None else {}
+        entries, read_back, hash_s = [], 0, 0.0
+        for rel in sorted(set(job.files)):
+            rel = layout.check_rel_path(rel)
+            full = self.local_dir / rel
+            size = full.stat().st_size
+            w = written.get(rel)
+            d = w.digest if w is not None else None
+            if d is not None and d.size == size:
+                entries.append(FileEntry(path=rel, size=size, sha256=d.sha256,
+                                         chunk_bytes=d.chunk_bytes, chunk_sha256=d.chunk_sha256))
+                continue
+            t0 = time.monotonic()
+            digest, pieces = hash_file_chunks(full)
+            entries.append(FileEntry(path=rel, size=full.stat().st_size, sha256=digest,
+                                     chunk_bytes=CHUNK_BYTES, chunk_sha256=pieces))
+            read_back, hash_s = read_back + 1, hash_s + time.monotonic() - t0
+        return entries, read_back, hash_s
 
     def resume_pending(self) -> list[int]:
         """Re-queues this rank's unfinished uploads found in the local markers (after a restart)."""
@@ -588,13 +647,13 @@ class Uploader:
 
     def _emit(self, kind: Literal["local_complete", "uploaded", "committed", "failed",
                                   "abandoned"], job: _Job,
-              t0: float, detail: str = "") -> None:
+              t0: float, detail: str = "", timings: dict[str, float] | None = None) -> None:
         """Tells the listener; its own failure is logged and changes no checkpoint's state."""
         if self.on_event is None:
             return
         try:
             self.on_event(UploadEvent(kind, job.step, self.rank,
-                                      round(time.monotonic() - t0, 3), detail))
+                                      round(time.monotonic() - t0, 3), detail, timings or {}))
         except Exception:  # a listener bug must not fail the upload it reports
             log.exception("checkpoint_event_listener_failed", step=job.step, kind=kind)
 
