@@ -364,10 +364,12 @@ class CheckpointManager:
         return time.perf_counter() - t0
 
     def _on_durable(self, tag: str, paths: list[str]) -> None:
-        """Writer thread: this rank's files of `tag` are on local disk; queue the upload."""
-        step, meta = self._meta.pop(tag)
+        """Writer thread: this rank's files of `tag` are on local disk; queue the upload. A
+        full disk refusing the upload's marker fails the save (`_on_write_failed` next)."""
+        step, meta = self._meta[tag]
         files = sorted(os.path.relpath(p, self.local_dir) for p in paths)
         self.uploader.submit(step, files, meta, written=self.snapshot.written(tag))
+        del self._meta[tag]
 
     def _on_write_failed(self, tag: str, paths: list[str], short: Shortage, error: str) -> None:
         """Writer thread: the local disk was full. The save is dropped (its partial files are

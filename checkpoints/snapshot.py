@@ -32,6 +32,8 @@ A full disk fails the save, never training: when a write of a tag runs out of sp
 EDQUOT, `disk_space.is_disk_full`), the tag's remaining writes are skipped, every file of it
 written so far (and the partial temp file) is removed, and `on_failed(tag, paths, shortage,
 error)` reports the bytes this rank's files needed against the bytes free on that file system.
+A save whose files fitted but whose `on_durable` bookkeeping (the uploader's marker) a full
+disk refused fails the same way.
 Nothing older is touched: earlier tags live in their own folders and nothing here deletes
 them, so the last good checkpoint survives. Any other write error is kept and raised by the
 next save, as before.
@@ -424,18 +426,29 @@ class SnapshotCheckpointEngine(CheckpointEngine):
     def _commit(self, tag: str, paths: list[str], needed: int, queued_at: float) -> None:
         written = {p: w for p in paths if (w := self._written.pop(p, None)) is not None}
         error = self._full.pop(_tag_of(paths[0]) if paths else tag, None)
+        refused = False
         if error is None:
-            if self.on_durable is not None:
-                save = WrittenSave(written, queued_at, sum(w.write_s for w in written.values()))
-                self._durable = (tag, save)
-                try:
-                    self.on_durable(tag, paths)
-                finally:
-                    self._durable = None
-            return
-        _discard(paths)
+            if self.on_durable is None:
+                return
+            save = WrittenSave(written, queued_at, sum(w.write_s for w in written.values()))
+            self._durable = (tag, save)
+            try:
+                self.on_durable(tag, paths)
+                return
+            except BaseException as e:
+                # the files fitted, the save's bookkeeping (its upload marker) did not: failed
+                # like a save that did not fit, not kept as an error that fails the next save
+                if not is_disk_full(e):
+                    raise
+                error, refused = e, True
+            finally:
+                self._durable = None
         where = os.path.dirname(paths[0])
-        short = shortage(where, needed)  # measured after the partial files went
+        # measured after the partial files went; but a save whose files all fitted is measured
+        # before they go: the disk they filled is what refused its bookkeeping
+        fitted = shortage(where, needed) if refused else None
+        _discard(paths)
+        short = fitted or shortage(where, needed)
         if self.on_failed is None:
             raise RuntimeError(short.message(f"checkpoint {tag}")) from error
         self.on_failed(tag, paths, short, str(error))

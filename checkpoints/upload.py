@@ -37,7 +37,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, nullcontext, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -84,7 +84,13 @@ def write_marker(local_dir: str | Path, step: int, rank: int, state: MarkerState
     record = {"state": state, "step": step, "rank": rank, "time": time.time(), "error": error,
               "files": files, "meta": meta.model_dump(mode="json") if meta else None}
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(record))
+    try:
+        tmp.write_text(json.dumps(record))
+    except OSError:  # a full disk: no partial temp file (nor a folder of nothing) is left
+        tmp.unlink(missing_ok=True)
+        with suppress(OSError):
+            path.parent.rmdir()  # only when empty: another marker or record keeps it
+        raise
     os.replace(tmp, path)
 
 
@@ -336,7 +342,16 @@ class Uploader:
             self._busy += 1
             job = self._jobs[step] = _Job(step, list(files), meta, resumed=resumed,
                                           written=written)
-        write_marker(self.local_dir, step, self.rank, "pending", files, meta)
+        try:
+            write_marker(self.local_dir, step, self.rank, "pending", files, meta)
+        except BaseException:
+            # not queued (a full disk refused the marker, the save's intent): the caller fails
+            # the save; a job left counted here would keep `wait` and `pending` busy for good
+            with self._idle:
+                self._forget(job)
+                self._busy -= 1
+                self._idle.notify_all()
+            raise
         self._verify.put(job)
 
     def drop_newer_than(self, step: int) -> list[int]:

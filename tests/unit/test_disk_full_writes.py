@@ -65,6 +65,55 @@ def test_a_save_that_does_not_fit_is_dropped_and_reported(small_tmpfs, fill_disk
     engine.close()
 
 
+def test_a_save_whose_files_fit_but_not_its_upload_marker_is_dropped_and_reported(
+        small_tmpfs, fill_disk, tmp_path: Path) -> None:
+    """The save's files take the disk's last pages; the uploader's `pending` marker, written
+    next on the writer thread (engine_io's on_durable), gets ENOSPC. That must fail this save
+    like one that did not fit; it used to be kept as the writer's error, raised by the next
+    save (the worker crashed, the agent restarted its group) and left the uploader counting
+    a job it never queued (`wait` never returned: the worker's stop never ended)."""
+    from ds3d.checkpoints.identity import new_job_id
+    from ds3d.checkpoints.storage import open_storage
+    from ds3d.checkpoints.upload import Uploader
+
+    from fixtures.ckpt import meta_for
+
+    disk = small_tmpfs(16 << 20)
+    uploader = Uploader(open_storage(f"file://{tmp_path}/store"), disk, 0, 1)
+    failed: list[tuple[str, list[str], Shortage, str]] = []
+
+    def durable(tag: str, paths: list[str]) -> None:  # as engine_io.CheckpointIO._on_durable
+        step = int(tag.removeprefix("global_step"))
+        uploader.submit(step, [os.path.relpath(p, disk) for p in paths],
+                        meta_for(step).model_copy(update={"job_id": new_job_id()}),
+                        written=engine.written(tag))
+
+    engine = SnapshotCheckpointEngine(on_durable=durable, on_failed=lambda *a: failed.append(a))
+    try:
+        # the pages two 1 MiB files take, measured by the same save on another disk
+        probe_engine = SnapshotCheckpointEngine()
+        probe = _save(probe_engine, tmp_path / "probe", "global_step10", 1)
+        probe_engine.close()
+        pages = sum(-(-os.path.getsize(p) // 4096) * 4096 for p in probe)
+        filler = fill_disk(disk, leave=pages)
+        paths = _save(engine, disk, "global_step10", 1)
+        [(tag, got_paths, short, error)] = failed
+        assert tag == "global_step10" and got_paths == paths and "No space left" in error
+        # measured when the marker was refused: the full disk, not the room its files left
+        assert short.free < short.needed and short.path == str(disk / "global_step10")
+        assert uploader.wait(5) and uploader.pending() == []  # nothing counted, nothing queued
+        left = [p for p in disk.rglob("*") if p.is_file() and p != filler]
+        assert left == [] and not (disk / "global_step10").exists()
+        filler.unlink()  # room again: the next save goes through and is uploaded
+        _save(engine, disk, "global_step20", 1)
+        assert [f[0] for f in failed] == ["global_step10"]
+        assert uploader.wait(30) and uploader.pending() == []
+        assert (disk / ".ds3d" / "step-00000020" / "rank-00000.json").is_file()
+    finally:
+        uploader.close(10)
+        engine.close()
+
+
 def test_file_store_full_names_path_free_and_needed_and_leaves_no_temp(
         small_tmpfs, fill_disk, tmp_path: Path) -> None:
     disk = small_tmpfs(4 << 20)
