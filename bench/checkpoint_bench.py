@@ -10,6 +10,15 @@ For each model (the `tiny` preset and a ~34M-parameter CPU model):
 
     python -m torch.distributed.run --standalone --nproc-per-node 1 bench/checkpoint_bench.py \
         --out bench/results/checkpoint.json
+
+`--section local-complete` (no DeepSpeed, no S3 server): a save's time from the end of its host
+copy to its local-complete record, for a host state of `--state-gib` GiB written by ds3d's
+snapshot writer into a local folder, with the writer hashing each file while it writes it
+(hashing_writer.py) against the path before it (write, fsync, then read back and hash),
+alternating in the same run:
+
+    python bench/checkpoint_bench.py --section local-complete \
+        --out bench/results/checkpoint-local-complete.json
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -31,7 +41,11 @@ import torch
 from boto3.s3.transfer import TransferConfig
 
 from ds3d.checkpoints.engine_io import CheckpointManager, Rank
+from ds3d.checkpoints.identity import new_job_id
+from ds3d.checkpoints.manifest import CheckpointMeta, Layout
+from ds3d.checkpoints.snapshot import SnapshotCheckpointEngine
 from ds3d.checkpoints.storage import open_storage
+from ds3d.checkpoints.upload import Uploader, UploadEvent
 from ds3d.trainer.config import build_job_config
 from ds3d.trainer.engine import TrainStep
 from ds3d.trainer.layout import ParallelLayout, ProcessEnv, init_distributed
@@ -151,13 +165,123 @@ def bench_model(name: str, sets: list[str], work: Path, endpoint: str, repeats: 
     }
 
 
+class _Info:
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+
+
+def bench_local_complete(work: Path, state_gib: float, repeats: int) -> dict:
+    """Save -> local-complete through the real writer thread and Uploader (file store), the
+    same state each time: `repeats` saves hashed while written and `repeats` written then read
+    back and hashed, in the order AB BA AB ... so that drift of a shared machine hits both."""
+    # DeepSpeed-like: a model-states file (1/3) and an optimizer-states file (2/3) of this rank
+    tensor_bytes = 256 << 20
+    n_tensors = max(3, round(state_gib * (1 << 30) / tensor_bytes))
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(tensor_bytes // 4, generator=gen) for _ in range(n_tensors)]
+    model = {"module": {f"w{i}": t for i, t in enumerate(tensors[:n_tensors // 3])}, "step": 1}
+    optim = {"state": {f"m{i}": t for i, t in enumerate(tensors[n_tensors // 3:])}}
+    local = work / "local"
+    events: dict[int, UploadEvent] = {}
+    got = threading.Condition()
+
+    def on_event(ev: UploadEvent) -> None:
+        if ev.kind == "local_complete":
+            with got:
+                events[ev.step] = ev
+                got.notify_all()
+
+    uploader = Uploader(open_storage(f"file://{work}/store"), local, 0, 1, on_event=on_event)
+    layout = Layout(tp=1, pp=1, dp=1, world_size=1)
+    job_id = new_job_id()
+    metas: dict[str, tuple[int, CheckpointMeta]] = {}
+
+    def on_durable(tag: str, paths: list[str]) -> None:
+        step, meta = metas.pop(tag)
+        uploader.submit(step, sorted(os.path.relpath(p, local) for p in paths), meta,
+                        written=engine.written(tag))
+
+    engine = SnapshotCheckpointEngine(on_durable=on_durable)
+    runs: dict[str, list[dict]] = {"read_back": [], "while_writing": []}
+    step = 0
+    for i in range(repeats):
+        for mode in ("read_back", "while_writing")[::1 if i % 2 == 0 else -1]:
+            step += 1
+            tag = f"global_step{step}"
+            (local / tag).mkdir(parents=True)
+            metas[tag] = (step, CheckpointMeta(job="bench", job_id=job_id, tag=tag,
+                                               layout=layout))
+            engine.hash_while_writing = mode == "while_writing"
+            engine.create(_Info(tag))  # type: ignore[arg-type]
+            engine.save(model, str(local / tag / "mp_rank_00_model_states.pt"))
+            engine.save(optim, str(local / tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+            engine.commit(_Info(tag))  # type: ignore[arg-type]
+            t0 = time.monotonic()
+            with got:
+                got.wait_for(lambda s=step: s in events, timeout=600)
+            took = time.monotonic() - t0
+            uploader.wait(600)
+            ev = events[step]
+            runs[mode].append({"save_to_local_complete_s": round(took, 3),
+                               "copy_s": round(engine.copy_seconds, 3), **ev.timings})
+            shutil.rmtree(local / tag)  # keep the disk and the page cache to one save's files
+    engine.close()
+    uploader.close(10)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    med = {m: statistics.median(r["save_to_local_complete_s"] for r in rs)
+           for m, rs in runs.items()}
+    return {"state_bytes": nbytes, "files": 2, "saves_per_mode": repeats, "runs": runs,
+            "median_save_to_local_complete_s": med,
+            "ratio_while_writing_vs_read_back": med["while_writing"] / med["read_back"]}
+
+
+def main_local_complete(args: argparse.Namespace) -> None:
+    work = Path(tempfile.mkdtemp(prefix="ds3d-ckpt-bench-", dir=args.work_dir))
+    load_before = os.getloadavg()[0]
+    try:
+        result = bench_local_complete(work, args.state_gib, args.repeats)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    report = {"date": time.strftime("%Y-%m-%d %H:%M"), "host": socket.gethostname(),
+              "cpus": os.cpu_count(), "torch": torch.__version__, "section": "local-complete",
+              "load_average_1min": [load_before, os.getloadavg()[0]],  # a shared machine
+              **result}
+    out = Path(args.out or "bench/results/checkpoint-local-complete.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"{'mode':14} {'save->local-complete s':>22} {'write s':>8} {'hash s':>7} "
+          f"{'hash wait s':>11}")
+    for mode, rs in result["runs"].items():
+        for r in rs:
+            print(f"{mode:14} {r['save_to_local_complete_s']:>22.2f} {r['write_s']:>8.2f} "
+                  f"{r['hash_s']:>7.2f} {r['hash_wait_s']:>11.2f}")
+    print(f"ratio (hashed while written / read back), medians: "
+          f"{result['ratio_while_writing_vs_read_back']:.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench/results/checkpoint.json")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--section", choices=["models", "local-complete"], default="models",
+                    help="models: blocked time and commit of DeepSpeed saves to an S3 server "
+                         "(under torch.distributed.run); local-complete: save -> local-complete "
+                         "record, hashing while writing vs reading back")
+    ap.add_argument("--out", default=None, help="default bench/results/checkpoint.json (models) "
+                    "or bench/results/checkpoint-local-complete.json")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="saves per model (default 3) or per mode (local-complete, default 2)")
     ap.add_argument("--server", choices=["moto", "rgw"], default="moto",
                     help="S3 server on loopback: moto_server, or Ceph RGW (production server)")
+    ap.add_argument("--state-gib", type=float, default=2.0, help="local-complete: state size")
+    ap.add_argument("--work-dir", default=None, help="local-complete: where the files go "
+                    "(default: the system's temporary folder)")
     args = ap.parse_args()
+    if args.repeats is None:
+        args.repeats = 2 if args.section == "local-complete" else 3
+    if args.state_gib <= 0 or args.repeats < 1:
+        ap.error("--state-gib must be > 0 and --repeats >= 1")
+    if args.section == "local-complete":
+        main_local_complete(args)
+        return
     init_distributed(torch.device("cpu"), timeout=__import__("datetime").timedelta(minutes=5))
     work = Path(tempfile.mkdtemp(prefix="ds3d-ckpt-bench-"))
     keys = ("bench", "bench")
@@ -177,8 +301,9 @@ def main() -> None:
               "s3_server": args.server,
               "cpus": os.cpu_count(), "torch": torch.__version__,
               "deepspeed": __import__("deepspeed").__version__, "results": results}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    out = Path(args.out or "bench/results/checkpoint.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"{'model':10} {'params':>10} {'ckpt MB':>8} {'sync s':>8} {'ds3d s':>8} {'ratio':>6} "
           f"{'commit s':>8} {'up base':>8} {'up ds3d':>8}")
     for r in results:

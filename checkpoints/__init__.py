@@ -6,6 +6,7 @@
     file_storage `FileStorage` (file://), atomic writes
     s3_storage   `S3Storage` (s3://) via boto3, with the one botocore-error classifier
     manifest     `Manifest`, per-rank parts, sha256, local verification
+    hashing_writer  a file's sha256 and piece hashes taken while torch.save writes it
     upload       per-rank upload, the committer, the background `Uploader`, and a CLI
     catalog      list / verify / delete / newest restorable checkpoint, retention applied
     retention    `plan_retention`: which committed steps to delete

@@ -2,10 +2,18 @@
 
 A step is *durable* once its MANIFEST is in the store (upload.py); that can take a minute, or
 an outage's length. It is *local-complete* on a node as soon as every rank's files of the step
-are on that node's disk and verified: each rank hashes its own files once, right after they are
-written, and records sizes and sha256 beside the upload marker
-(`L/.ds3d/step-N/local-rank-R.json`, layout.py). The record is the rank's promise that these
-bytes are what it saved; a restart reads them back without waiting for the store.
+are on that node's disk and verified: each rank hashes its own files once, as they are written,
+and records sizes and sha256 beside the upload marker (`L/.ds3d/step-N/local-rank-R.json`,
+layout.py). The record is the rank's promise that these bytes are what it saved; a restart
+reads them back without waiting for the store.
+
+What "verified" means for a file hashed while written (hashing_writer.py, snapshot.py): its
+hashes are of exactly the bytes this process handed to the kernel for it, in order; every
+write, the flush and the fsync succeeded, the temp file was renamed into place, and its size on
+disk equals the bytes hashed. A file without such hashes (its writer did more than append, or
+another process wrote it: a backlog resumed after a restart) is hashed by reading it back after
+the write. Neither proves the medium (a read right after the write comes from the page cache):
+a restore checks every byte it reads against the record (read_ahead.py, `own_files_verify`).
 
 Which checkpoint a restart uses (`agree_local_step`, then engine_io.plan_restore): the newest
 step that is local-complete *for every rank* (each rank checks, on its own node's disk, every
