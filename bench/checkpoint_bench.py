@@ -224,7 +224,9 @@ def bench_local_complete(work: Path, state_gib: float, repeats: int) -> dict:
             ev = events[step]
             runs[mode].append({"save_to_local_complete_s": round(took, 3),
                                "copy_s": round(engine.copy_seconds, 3), **ev.timings})
-            shutil.rmtree(local / tag)  # keep the disk and the page cache to one save's files
+            # keep the disk and the page cache to one save's files (the store hard-links them)
+            shutil.rmtree(local / tag)
+            shutil.rmtree(work / "store" / "ckpt", ignore_errors=True)
     engine.close()
     uploader.close(10)
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
