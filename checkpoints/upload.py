@@ -272,7 +272,7 @@ class UploadEvent:
     # them: 0.0 when all were hashed while written), read_back_files, local_complete_s (from
     # the end of the save's host copy to the record written, queueing behind earlier saves
     # included); of any other (a resumed one): hash_s and read_back_files
-    timings: dict[str, float] = field(default_factory=dict)
+    timings: dict[str, float | int] = field(default_factory=dict)
 
 
 @dataclass
@@ -424,7 +424,7 @@ class Uploader:
             log.warning("checkpoint_local_unverified", step=job.step, rank=self.rank,
                         detail=str(e))
             return
-        timings = {"hash_s": round(hash_s, 3), "read_back_files": float(read_back)}
+        timings = {"hash_s": round(hash_s, 3), "read_back_files": read_back}
         said = []
         w = job.written
         if w is not None:
@@ -662,7 +662,7 @@ class Uploader:
 
     def _emit(self, kind: Literal["local_complete", "uploaded", "committed", "failed",
                                   "abandoned"], job: _Job,
-              t0: float, detail: str = "", timings: dict[str, float] | None = None) -> None:
+              t0: float, detail: str = "", timings: dict[str, float | int] | None = None) -> None:
         """Tells the listener; its own failure is logged and changes no checkpoint's state."""
         if self.on_event is None:
             return
