@@ -12,6 +12,7 @@
     retention    `plan_retention`: which committed steps to delete
     settings     `CheckpointSettings`: what a worker's checkpointing reads of its job
     engine_io    a worker's save (snapshot, upload, commit) and collective restore
+    recovery_scripts  DeepSpeed's zero_to_fp32.py copies: once, never failing a save
     logs         structlog set-up of the workers and the uploader process
 
 This package imports neither the trainer nor the daemon: it takes an engine and its own

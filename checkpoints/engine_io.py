@@ -40,6 +40,7 @@ from .identity import claim_prefix, local_job_id
 from .local_complete import agree_local_step, read_record
 from .manifest import CheckpointMeta, Layout, Manifest, manifest_from_entries
 from .read_ahead import ReadAhead, ReadResult
+from .recovery_scripts import copy_recovery_scripts_once
 from .reshape import check_reshapable, convert_to_universal, needs_reshape
 from .settings import CheckpointSettings
 from .snapshot import SnapshotCheckpointEngine
@@ -350,6 +351,7 @@ class CheckpointManager:
              data_position: dict[str, Any]) -> float:
         """Blocks only for the snapshot; returns the seconds training was blocked."""
         engine.checkpoint_engine = self.snapshot
+        copy_recovery_scripts_once(engine)  # a full disk must not fail the save through them
         tag = tag_for(step)
         me = self.me
         self._meta[tag] = (step, CheckpointMeta(

@@ -171,3 +171,37 @@ def test_reports_are_held_while_the_disk_is_full_and_arrive_in_order(small_tmpfs
     assert [r["step"] for r in records] == list(range(1, 401))
     assert "reports are written again" in capfd.readouterr().err
     rep.close()
+
+
+def test_deepspeeds_recovery_script_copy_never_fails_a_save(small_tmpfs, fill_disk) -> None:
+    """DeepSpeed's save copies zero_to_fp32.py & co. into the checkpoint folder itself (rank 0,
+    training thread, a truncating copy): on a full disk that raised ENOSPC out of the save and
+    ended the worker. Wrapped (engine_io.save), it copies once there is room, skips a copy that
+    does not fit, and does not rewrite the copies at every later save."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from ds3d.checkpoints.recovery_scripts import copy_recovery_scripts_once
+
+    class Engine:  # DeepSpeed's own two methods, without building a whole engine
+        _copy_recovery_script = DeepSpeedEngine._copy_recovery_script
+        _change_recovery_script_permissions = \
+            DeepSpeedEngine._change_recovery_script_permissions
+
+    import deepspeed.utils
+
+    source = Path(deepspeed.utils.__file__).parent / "zero_to_fp32.py"
+    disk = small_tmpfs(1 << 20)
+    filler = fill_disk(disk)
+    engine = Engine()
+    with pytest.raises(OSError) as err:  # DeepSpeed on its own
+        engine._copy_recovery_script(str(disk))
+    assert is_disk_full(err.value)
+    copy_recovery_scripts_once(engine)
+    copy_recovery_scripts_once(engine)  # every save calls it: wrapped once
+    engine._copy_recovery_script(str(disk))  # skipped, nothing raised
+    filler.unlink()
+    engine._copy_recovery_script(str(disk))
+    assert (disk / "zero_to_fp32.py").read_bytes() == source.read_bytes()
+    fill_disk(disk)
+    engine._copy_recovery_script(str(disk))  # copied already: not truncated and rewritten
+    assert (disk / "zero_to_fp32.py").read_bytes() == source.read_bytes()
