@@ -478,9 +478,16 @@ def sec_checkpoint(args) -> dict:
     progress("built")
     work = Path(args.work)
     run_dir = work / "ckpt-run"
+    local_complete: list[dict] = []  # each save's write / hash / local-complete timings
+
+    def on_record(kind: str, **fields) -> None:
+        if kind == "checkpoint" and fields.get("phase") == "local_complete":
+            local_complete.append({k: v for k, v in fields.items() if k != "phase"})
+
     ckpt = CheckpointManager(cfg.checkpoint_settings(), run_dir, Rank(0, 1, 0, 1, 1, 1), device,
-                             lambda *a, **k: None)
-    out: dict = {"ds3d_blocked_s": [], "ds3d_host_copy_s": [], "ds3d_time_to_committed_s": []}
+                             on_record)
+    out: dict = {"ds3d_blocked_s": [], "ds3d_host_copy_s": [], "ds3d_time_to_committed_s": [],
+                 "local_complete": local_complete}
     step = 0
     for _ in range(2):
         step_fn.run(step)
@@ -766,7 +773,9 @@ def _goodput_run(args, name: str, window_s: float, faults: list[tuple[float, str
            "saves": [r for r in all_recs if r["kind"] == "checkpoint" and
                      r.get("phase") in ("saved", "local_complete", "committed")
                      and r["time"] <= t_end]}
-    out["saves"] = [{k: r.get(k) for k in ("phase", "step", "blocked_s", "seconds", "detail")}
+    out["saves"] = [{k: r[k] for k in ("phase", "step", "blocked_s", "seconds", "detail",
+                                       "write_s", "hash_wait_s", "hash_s", "read_back_files",
+                                       "local_complete_s") if k in r}
                     | {"at_s": round(r["time"] - t_first, 1)} for r in out["saves"]]
     for f in injected:
         done = run_dir / "control" / f"inject-done-{f['id']}"
