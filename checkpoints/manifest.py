@@ -12,6 +12,7 @@ import hashlib
 import os
 import time
 from collections import deque
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from importlib import metadata
 from pathlib import Path
@@ -187,12 +188,20 @@ def list_checkpoint_files(local_dir: str | Path, tag: str) -> list[str]:
     return sorted(out)
 
 
-def file_entries(local_dir: str | Path, files: list[str]) -> list[FileEntry]:
+def file_entries(local_dir: str | Path, files: list[str],
+                 known: Mapping[str, FileEntry] | None = None) -> list[FileEntry]:
+    """Each file's size, sha256 and piece hashes, by reading it. `known`: entries by path
+    already taken (a file hashed while it was written, hashing_writer.py), used as they are
+    for a file whose size on disk is still theirs."""
     root = Path(local_dir)
     entries = []
     for rel in sorted(set(files)):
         rel = check_rel_path(rel)
         full = root / rel
+        entry = known.get(rel) if known else None
+        if entry is not None and entry.size == full.stat().st_size:
+            entries.append(entry)
+            continue
         digest, pieces = hash_file_chunks(full)
         entries.append(FileEntry(path=rel, size=full.stat().st_size, sha256=digest,
                                  chunk_bytes=CHUNK_BYTES, chunk_sha256=pieces))

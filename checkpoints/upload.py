@@ -54,14 +54,12 @@ from .identity import ForeignPrefixError, manifest_is_mine
 from .local_complete import read_record, remove_record, write_record
 from .logs import configure_logging
 from .manifest import (
-    CHUNK_BYTES,
     CheckpointMeta,
     FileEntry,
     Layout,
     Manifest,
     PartManifest,
     file_entries,
-    hash_file_chunks,
     list_checkpoint_files,
     merge_parts,
     save_local_manifest,
@@ -442,26 +440,16 @@ class Uploader:
 
     def _entries(self, job: _Job) -> tuple[list[FileEntry], int, float]:
         """The job's files' entries: each from the hashes its writer took while writing it,
-        when there are some and the file is still the size written, else by reading it back
-        (hash_file_chunks). Returns (entries, files read back, seconds reading back)."""
-        written = job.written.files if job.written is not None else {}
-        entries, read_back, hash_s = [], 0, 0.0
-        for rel in sorted(set(job.files)):
-            rel = layout.check_rel_path(rel)
-            full = self.local_dir / rel
-            size = full.stat().st_size
-            w = written.get(rel)
-            d = w.digest if w is not None else None
-            if d is not None and d.size == size:
-                entries.append(FileEntry(path=rel, size=size, sha256=d.sha256,
-                                         chunk_bytes=d.chunk_bytes, chunk_sha256=d.chunk_sha256))
-                continue
-            t0 = time.monotonic()
-            digest, pieces = hash_file_chunks(full)
-            entries.append(FileEntry(path=rel, size=full.stat().st_size, sha256=digest,
-                                     chunk_bytes=CHUNK_BYTES, chunk_sha256=pieces))
-            read_back, hash_s = read_back + 1, hash_s + time.monotonic() - t0
-        return entries, read_back, hash_s
+        when there are some and the file is still the size written, else by reading it back.
+        Returns (entries, files read back, seconds reading back)."""
+        known = {rel: FileEntry(path=rel, size=d.size, sha256=d.sha256,
+                                chunk_bytes=d.chunk_bytes, chunk_sha256=d.chunk_sha256)
+                 for rel, w in (job.written.files.items() if job.written is not None else ())
+                 if (d := w.digest) is not None}
+        t0 = time.monotonic()
+        entries = file_entries(self.local_dir, job.files, known)
+        read_back = sum(1 for e in entries if known.get(e.path) is not e)
+        return entries, read_back, time.monotonic() - t0 if read_back else 0.0
 
     def resume_pending(self) -> list[int]:
         """Re-queues this rank's unfinished uploads found in the local markers (after a restart)."""
