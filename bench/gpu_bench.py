@@ -180,13 +180,7 @@ def sec_peak(args) -> dict:
     for name, dst in (("pinned", pinned), ("pageable", pageable)):
         dst.copy_(src)
         torch.cuda.synchronize()
-        ts = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            dst.copy_(src, non_blocking=(name == "pinned"))
-            torch.cuda.synchronize()
-            ts.append(time.perf_counter() - t0)
-        bw[name] = size / min(ts) / 1e9
+        bw[name] = _copy_GBps(dst, src, non_blocking=(name == "pinned"))
     return {"gpu": torch.cuda.get_device_name(), "bf16_matmul_tflops": tflops,
             "d2h_pinned_GBps": bw["pinned"], "d2h_pageable_GBps": bw["pageable"]}
 
@@ -834,12 +828,17 @@ def sec_pinning(args) -> dict:
 
     import torch
 
-    from ds3d.checkpoints.host_memory import anonymous_buffer
+    from ds3d.checkpoints.host_memory import (
+        PIN_PIECE_BYTES,
+        anonymous_buffer,
+        register_in_pieces,
+        unregister_pieces,
+    )
 
     if args.device != "cuda":
         return {"skipped": "no GPU"}
     nbytes = (2 << 30) if args.quick else (20 << 30)
-    piece = 512 << 20
+    piece = PIN_PIECE_BYTES
     cudart = torch.cuda.cudart()
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
 
@@ -895,28 +894,18 @@ def sec_pinning(args) -> dict:
     def pieces() -> dict:
         buf = anonymous_buffer(nbytes)
         addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+        registered: list[int] = []
 
-        def reg() -> dict:
-            rcs = []
-            for off in range(0, nbytes, piece):
-                rcs.append(int(cudart.cudaHostRegister(addr + off, min(piece, nbytes - off), 0)))
-                time.sleep(0.002)
-            return {"rc": max(rcs)}
+        def reg() -> dict:  # what the snapshot arena does
+            registered.extend(register_in_pieces(addr, nbytes, piece) or [])
+            return {"rc": 0 if registered else 1}
         r = probe(reg)
         # a 1 GiB copy into one piece against one spanning two pieces' boundary
         host = torch.frombuffer(buf, dtype=torch.uint8)
         src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
         for name, start in (("inside", 2 * piece), ("spanning", 3 * piece - (1 << 29))):
-            dst = host[start:start + (1 << 30)]
-            ts = []
-            for _ in range(3):
-                t0 = time.perf_counter()
-                dst.copy_(src, non_blocking=True)
-                torch.cuda.synchronize()
-                ts.append(time.perf_counter() - t0)
-            r[f"d2h_{name}_GBps"] = (1 << 30) / min(ts) / 1e9
-        for off in range(0, nbytes, piece):
-            cudart.cudaHostUnregister(addr + off)
+            r[f"d2h_{name}_GBps"] = _copy_GBps(host[start:start + (1 << 30)], src)
+        unregister_pieces(registered)
         del host, buf
         return r
 
@@ -947,14 +936,20 @@ def _h2d_GBps(device) -> float:
     dst = torch.empty(size, dtype=torch.uint8, device=device)
     dst.copy_(src)
     torch.cuda.synchronize()
+    return _copy_GBps(dst, src)
+
+
+def _copy_GBps(dst, src, non_blocking: bool = True, repeats: int = 3) -> float:
+    """GB/s of `dst.copy_(src)` (then synchronised), best of `repeats`."""
+    import torch
+
     ts = []
-    for _ in range(3):
+    for _ in range(repeats):
         t0 = time.perf_counter()
-        dst.copy_(src, non_blocking=True)
+        dst.copy_(src, non_blocking=non_blocking)
         torch.cuda.synchronize()
         ts.append(time.perf_counter() - t0)
-    del src, dst
-    return size / min(ts) / 1e9
+    return src.numel() * src.element_size() / min(ts) / 1e9
 
 
 def _fingerprint(engine) -> list[tuple[float, float]]:
