@@ -46,6 +46,13 @@ exactly the state its save copied, because the only writes into the host buffers
 save's copies, and `create()` (the first call of every save, before any copy) forgets the held
 snapshot. A rollback that finds nothing held, because a later save has begun reusing the
 buffers, reads the local tier.
+
+With a `NodeArena` (node_memory.py) the arena is a file in /dev/shm, so the held copy outlives
+the process: `commit()` writes its validity marker once every copy of the save is complete,
+and `create()` of the next save removes it before the first byte is copied (the marker-file
+form of the invariant above); a restarted worker maps the arena back (`adopt_node_memory`),
+which then serves the restore (`serving_held`) and becomes this process's arena for its saves.
+Where /dev/shm has no room, the arena is anonymous as before (one log line says why).
 """
 
 from __future__ import annotations
@@ -81,6 +88,7 @@ from .host_memory import (
     register_in_pieces,
     unregister_pieces,
 )
+from .node_memory import NodeArena
 from .read_ahead import load_buffer
 
 log = structlog.get_logger("ds3d.checkpoints.snapshot")
@@ -111,9 +119,11 @@ class _Serving:
 class SnapshotCheckpointEngine(CheckpointEngine):
     def __init__(self, on_durable: DurableCallback | None = None,
                  on_failed: FailedCallback | None = None,
-                 hash_while_writing: bool = True) -> None:
+                 hash_while_writing: bool = True, node: NodeArena | None = None) -> None:
         """`hash_while_writing=False`: files are written plain and the uploader hashes them
-        by reading them back (the path before hashing_writer.py; the benchmark's baseline)."""
+        by reading them back (the path before hashing_writer.py; the benchmark's baseline).
+        `node`: keep the arena in node memory (/dev/shm) where there is room, so the newest
+        save's host copy survives a crash of this process."""
         super().__init__()
         self.name = "ds3d-snapshot"
         self.on_durable = on_durable
@@ -132,6 +142,9 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         self._arena_used = 0
         self._arena_thread: threading.Thread | None = None
         self._device_copies = False  # the last save copied from the GPU (asynchronously)
+        self._node = node
+        self._arena_adopted = False  # the arena was mapped back from node memory
+        self._next_save: tuple[int, str] | None = None  # (step, meta) the marker will name
         self._held: HeldSnapshot | None = None  # the newest save's copy, while it is intact
         self._serving: _Serving | None = None  # loads read the held copy (a memory rollback)
         self._served_files: dict[str, memoryview] = {}  # loads read these verified bytes
@@ -144,6 +157,8 @@ class SnapshotCheckpointEngine(CheckpointEngine):
     def create(self, info: CheckpointCommitInfo) -> None:
         self._held = None  # this save reuses the buffers: the previous copy is going away
         self.wait()  # the previous snapshot's buffers are free again
+        if self._node is not None:
+            self._node.forget()  # before the first byte of this save lands in the arena
         self._raise_pending_error()
         self._staged = []
         self.copy_seconds = 0.0
@@ -175,6 +190,7 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         self._held = HeldSnapshot(info.tag, {os.path.normpath(path): snapshot
                                              for snapshot, path, _ in self._staged}) \
             if self._staged else None
+        self._mark_node_memory(info.tag)
         for snapshot, path, _ in self._staged:
             self._jobs.put(("write", snapshot, path))
         self._staged = []
@@ -197,18 +213,88 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         would round 20 GB up to the next power of two."""
         if self._arena_thread is not None or nbytes <= 0 or (pin and not torch.cuda.is_available()):
             return
+        adopted = self._arena if self._arena_adopted else None
 
         def reserve() -> None:
-            arena = anonymous_buffer(nbytes)
+            arena = adopted
+            if arena is None and self._node is not None:
+                arena = self._node.create(nbytes)
+            if arena is None:
+                arena = anonymous_buffer(nbytes)
             address = ctypes.addressof(ctypes.c_char.from_buffer(arena))
-            pieces = register_in_pieces(address, nbytes, self._pin_piece) if pin else []
+            pieces = register_in_pieces(address, len(arena), self._pin_piece) if pin else []
             if pieces is not None:
                 self._arena, self._arena_pieces = arena, pieces
-            else:  # host memory short or locked-memory limit: pin per tensor instead
+            elif adopted is None:  # host memory short or locked-memory limit: pin per tensor
                 self._arena_thread = None
+                if self._node is not None:
+                    self._node.remove()
 
         self._arena_thread = threading.Thread(target=reserve, name="ckpt-pin", daemon=True)
         self._arena_thread.start()
+
+    def wait_arena(self) -> None:
+        """Blocks until the arena's reservation (and registration) has finished."""
+        thread = self._arena_thread
+        if thread is not None:
+            thread.join()
+
+    def adopt_node_memory(self, local_dir: str) -> tuple[int, str] | None:
+        """At a restart, before any save: maps back this rank's arena from node memory when
+        its marker is valid for this rank's job and layout (node_memory.py). The snapshot it
+        names becomes `held()` (its files under `local_dir`/tag) and the arena this process's
+        (registered with CUDA by the next `reserve_pinned`). Returns the held (step, meta
+        JSON), or None when nothing usable is held."""
+        if self._node is None or self._arena is not None:
+            return None
+        got = self._node.adopt()
+        if got is None:
+            return None
+        arena, held = got
+        self._arena, self._arena_adopted = arena, True
+        self._held = HeldSnapshot(held.tag, {
+            os.path.normpath(os.path.join(local_dir, held.tag, name)): state
+            for name, state in held.files.items()})
+        return held.step, held.meta
+
+    @property
+    def arena_adopted(self) -> bool:
+        """The arena was mapped back from node memory (`adopt_node_memory`)."""
+        return self._arena_adopted
+
+    def describe_next_save(self, step: int, meta: str) -> None:
+        """The step and manifest metadata (JSON) of the save about to be made, for its node
+        memory marker."""
+        self._next_save = (step, meta)
+
+    def forget_held(self, unless_tag: str | None = None) -> None:
+        """Forgets the held snapshot, and its node memory marker, unless it is `unless_tag`'s:
+        a restore or rollback to another state abandons it (a restart must never come back
+        to it)."""
+        held = self._held
+        if held is not None and held.tag == unless_tag:
+            return
+        self._held = None
+        if self._node is not None:
+            self._node.forget()
+
+    def release_node_memory(self) -> None:
+        """A clean exit: this rank's node memory files go (nothing will restart from them);
+        the mapping stays valid until the arena is closed."""
+        if self._node is not None:
+            self._node.remove()
+
+    def _mark_node_memory(self, tag: str) -> None:
+        """Writes the node memory marker of the save just committed: its copies are complete
+        (`save` synchronised the device after each file's), and every tensor lies in the
+        arena (else no marker: a copy outside it dies with this process)."""
+        described, self._next_save = self._next_save, None
+        if self._node is None or self._held is None or self._arena is None \
+                or described is None:
+            return
+        step, meta = described
+        self._node.mark(tag, step, meta, {os.path.basename(p): state
+                                          for p, state in self._held.files.items()}, self._arena)
 
     def written(self, tag: str) -> WrittenSave | None:
         """Inside `on_durable(tag, ...)` (writer thread): the hashes of the tag's files taken
@@ -372,7 +458,7 @@ class SnapshotCheckpointEngine(CheckpointEngine):
     def _new_buffer(self, t: torch.Tensor) -> torch.Tensor | None:
         """A host buffer for `t`: carved from the arena when one was asked for (None while it
         is still being reserved), else (or when the estimate was short) one of its own."""
-        if self._arena_thread is not None:
+        if self._arena_thread is not None or self._arena is not None:
             if self._arena is None:
                 return None
             carved = self._carve(t)
