@@ -12,10 +12,12 @@ every rank (local_complete.py), unhashed: each rank's own files of it are read i
 host memory and checked against the sha256 recorded at save as they stream (read_ahead.py),
 in the background while the engine is built; `confirm` then agrees that every rank's files
 matched (or plans again without that step) and `load` serves DeepSpeed from those buffers, so
-the files are read once. Rank 0 looks for a newer committed checkpoint whose files verify
-(local copy first, otherwise downloaded and checked), every node's first rank makes that step
-available locally, and when the saved (TP, PP, DP) differs from the current one
-the checkpoint is converted to DeepSpeed's universal format and loaded from there.
+the files are read once. A newer (or the same) step held in node memory on every rank
+(node_memory.py: the newest save's host copy, which outlived the crashed workers) is restored
+from there instead, with no disk read. Rank 0 looks for a newer committed checkpoint whose
+files verify (local copy first, otherwise downloaded and checked), every node's first rank makes
+that step available locally, and when the saved (TP, PP, DP) differs from the current one the
+checkpoint is converted to DeepSpeed's universal format and loaded from there.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from .errors import CheckpointError, Ds3dError
 from .identity import claim_prefix, local_job_id
 from .local_complete import agree_local_step, read_record
 from .manifest import CheckpointMeta, Layout, Manifest, manifest_from_entries
+from .node_memory import Fingerprint, NodeArena, no_room
 from .read_ahead import ReadAhead, ReadResult
 from .recovery_scripts import copy_recovery_scripts_once
 from .reshape import check_reshapable, convert_to_universal, needs_reshape
@@ -63,9 +66,10 @@ class RestorePlan:
     manifest: Manifest
     universal: bool
     # where the state is read from: "memory" (the newest save's host copy, an in-process
-    # rollback), "local" (the node-local tier) or "store" (downloaded from the durable tier)
+    # rollback), "node_memory" (that copy kept in /dev/shm by a crashed worker of this job, a
+    # restart), "local" (the node-local tier) or "store" (downloaded from the durable tier)
     source: str = "local"
-    # "memory": the other ranks' files of the tag, as skeletons (SnapshotCheckpointEngine)
+    # "memory", "node_memory": the other ranks' files of the tag, as skeletons
     peers: dict[str, Any] = field(default_factory=dict)
     # "local", unhashed yet: this rank's files being read and hashed (`confirm` waits for it)
     read_ahead: ReadAhead | None = field(default=None, compare=False)
@@ -112,10 +116,15 @@ class CheckpointManager:
                                on_skip=self._on_skip)
         self.uploader = Uploader(self.storage, self.local_dir, me.rank, me.world_size,
                                  on_event=self._on_upload_event)
+        self.node = self._node_arena()
         self.snapshot = SnapshotCheckpointEngine(on_durable=self._on_durable,
-                                                 on_failed=self._on_write_failed)
+                                                 on_failed=self._on_write_failed, node=self.node)
         self._meta: dict[str, tuple[int, CheckpointMeta]] = {}
         self._newest_save: tuple[int, CheckpointMeta] | None = None  # (step, meta) of it
+        # a crashed worker's newest save, mapped back from node memory by the first restore
+        # plan: (step, meta)
+        self._node_held: tuple[int, CheckpointMeta] | None = None
+        self._node_adopted = False
         # pipeline stage boundaries this run builds; a checkpoint saved with others (its
         # data_position "partition") has per-stage optimizer shards that do not fit: universal
         self.partition: list[int] | None = None
@@ -140,6 +149,32 @@ class CheckpointManager:
         dist.broadcast_object_list(made, src=0)
         return str(made[0])
 
+    def _node_arena(self) -> NodeArena | None:
+        """This rank's node memory arena (`checkpoint.keep_in_node_memory`), or None when it
+        is off. `true` fails here when the node memory folder is not a tmpfs; its size is
+        checked once the state's size is known (`prepare`)."""
+        keep = self.settings.keep_in_node_memory
+        if keep is False:
+            return None
+        me = self.me
+        node = NodeArena(Fingerprint(job_id=self.job_id, rank=me.rank, world_size=me.world_size,
+                                     tp=me.tp, pp=me.pp, dp=me.dp,
+                                     model_hash=self.settings.model_hash))
+        if keep is True:
+            why = no_room(0, node.folder.parent)
+            if why is not None:
+                raise CheckpointError(f"checkpoint.keep_in_node_memory = true, but {why}; "
+                                      "set it to \"auto\" (fall back to process memory) or "
+                                      "false, or give the node a tmpfs /dev/shm")
+        if me.local_rank == 0:
+            node.remove_ranks_from(me.world_size)  # a start with a smaller world
+        return node
+
+    def release_node_memory(self) -> None:
+        """A clean exit of the worker: this rank's node memory files go (nothing restarts
+        from them; node_memory.py)."""
+        self.snapshot.release_node_memory()
+
     def _on_skip(self, step: int, cause: str, detail: str) -> None:
         """A checkpoint a restore passed over: reported, so the daemon shows it as what it is."""
         self.emit("checkpoint", step=step, phase="skipped", cause=cause, detail=detail)
@@ -161,13 +196,18 @@ class CheckpointManager:
         asked = self._broadcast(-1 if rollback_to is None else rollback_to)
         rollback_to = None if asked < 0 else asked
         found = None
+        held = self._agree_node_held() if rollback_to is None else self._abandon_node_held()
         local_step, local_manifest = (-1, None) if rollback_to is not None else \
             agree_local_step(self.local_dir, self.me.rank, self.me.world_size, self.job_id,
                              self.device, verify=False, exclude=exclude)
         if self.me.rank == 0:
             found = self.catalog.newest_restorable(checksums=True, download=True,
-                                                   only_step=rollback_to, newer_than=local_step)
+                                                   only_step=rollback_to,
+                                                   newer_than=max(local_step, held))
         step = self._broadcast(found.step if found else local_step)
+        if held >= 0 and held >= step:
+            return self._node_memory_plan(held)
+        self._node_held = None  # `load` forgets it unless the step loaded is the same
         if step >= 0 or rollback_to is None:
             self.uploader.drop_newer_than(step)
         if self.me.rank == 0 and step >= 0:
@@ -175,7 +215,9 @@ class CheckpointManager:
                       durable=step != local_step or layout.local_manifest_path(self.local_dir,
                                                                          step).exists(),
                       detail="local-complete on every rank" if step == local_step else
-                      "the newest durable checkpoint")
+                      "the newest durable checkpoint",
+                      source="store" if found is not None and found.source == "downloaded"
+                      else "local")
         if step < 0:
             if rollback_to is not None:
                 raise CheckpointError(f"cannot roll back to step {rollback_to}: no complete, "
@@ -231,6 +273,62 @@ class CheckpointManager:
         return RestorePlan(step=step, tag=tag, manifest=manifest, universal=universal,
                            source=source, read_ahead=read_ahead, excluded=exclude)
 
+    def _agree_node_held(self) -> int:
+        """Collective: the step every rank holds in node memory (adopted at start), or -1 when
+        any rank holds none or another step, or the held copy cannot be loaded as it is: with
+        data-parallel size > 1 (DeepSpeed's data-parallel ranks above 0 read model files that
+        rank 0 wrote, which are not in their memory) or when it was saved with other pipeline
+        stage boundaries (that needs the universal conversion of files)."""
+        if not self._node_adopted and self.node is not None:
+            self._node_adopted = True  # once, before this process's first save
+            adopted = self.snapshot.adopt_node_memory(str(self.local_dir))
+            if adopted is not None:
+                self._node_held = (adopted[0], CheckpointMeta.model_validate_json(adopted[1]))
+        held = self._node_held
+        mine = -1
+        if held is not None and self.me.dp == 1:
+            saved_parts = held[1].data_position.get("partition")
+            if self.partition is None or saved_parts is None or \
+                    list(saved_parts) == list(self.partition):
+                mine = held[0]
+        agreed = torch.tensor([mine, -mine], dtype=torch.long, device=self.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        step, highest = int(agreed[0]), -int(agreed[1])
+        return step if step >= 0 and step == highest else -1
+
+    def _abandon_node_held(self) -> int:
+        """A rollback request: the state held in node memory (newer than the target, or of a
+        timeline given up) must never be restored by a later restart; returns -1."""
+        self._node_adopted, self._node_held = True, None
+        self.snapshot.forget_held()
+        return -1
+
+    def _node_memory_plan(self, step: int) -> RestorePlan:
+        """Collective: the plan that restores the snapshot every rank holds in node memory
+        (`_agree_node_held` chose `step`), served like a memory rollback: no disk read."""
+        held, node_held = self.snapshot.held(), self._node_held
+        assert held is not None and node_held is not None and node_held[0] == step
+        self.uploader.drop_newer_than(step)
+        if self.me.rank == 0:
+            self.emit("checkpoint", step=step, phase="restoring",
+                      durable=layout.local_manifest_path(self.local_dir, step).exists(),
+                      detail="held in node memory on every rank", source="node_memory")
+        return self._held_plan(step, held.tag, node_held[1], "node_memory")
+
+    def _held_plan(self, step: int, tag: str, meta: CheckpointMeta, source: str) -> RestorePlan:
+        """Collective: a plan served from the held snapshot, with the other ranks' files as
+        skeletons (DeepSpeed lists them)."""
+        held = self.snapshot.held()
+        assert held is not None
+        skeletons: list[dict[str, Any] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(skeletons, self.snapshot.held_skeleton())
+        own = {os.path.basename(p) for p in held.files}
+        peers = {name: sk for part in skeletons for name, sk in (part or {}).items()
+                 if name not in own}
+        manifest = manifest_from_entries(step, meta, [])  # the save's meta, no file list
+        return RestorePlan(step=step, tag=tag, manifest=manifest, universal=False,
+                           source=source, peers=peers)
+
     def confirm(self, plan: RestorePlan | None) -> RestorePlan | None:
         """Collective: waits for the plan's read-ahead and accepts the plan when every rank's
         files matched the sha256 recorded at save, with their bytes in `buffers`; otherwise
@@ -276,14 +374,7 @@ class CheckpointManager:
         if step < 0 or step != highest or step > newest:
             return None
         assert held is not None and saved is not None
-        skeletons: list[dict[str, Any] | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(skeletons, self.snapshot.held_skeleton())
-        own = {os.path.basename(p) for p in held.files}
-        peers = {name: sk for part in skeletons for name, sk in (part or {}).items()
-                 if name not in own}
-        manifest = manifest_from_entries(step, saved[1], [])  # the save's meta, no file list
-        return RestorePlan(step=step, tag=held.tag, manifest=manifest, universal=False,
-                           source="memory", peers=peers)
+        return self._held_plan(step, held.tag, saved[1], "memory")
 
     def drop_newer_than(self, step: int) -> list[int]:
         """After a rollback: checkpoints newer than `step` belong to an abandoned timeline and
@@ -297,8 +388,9 @@ class CheckpointManager:
         return newer
 
     def load(self, engine: Any, plan: RestorePlan) -> None:
-        """DeepSpeed's `load_checkpoint` of `plan.tag`; for a "memory" plan the same call reads
-        each file's state from the host copy (`serving_held`) instead of the disk."""
+        """DeepSpeed's `load_checkpoint` of `plan.tag`; for a "memory" or "node_memory" plan
+        the same call reads each file's state from the host copy (`serving_held`) instead of
+        the disk."""
         engine.checkpoint_engine = self.snapshot
         if plan.read_ahead is not None:
             raise CheckpointError(f"internal: the plan of step {plan.step} was not confirmed "
@@ -308,7 +400,7 @@ class CheckpointManager:
                 path, _ = engine.load_checkpoint(str(self.local_dir), tag=plan.tag,
                                                  load_optimizer_states=True,
                                                  load_lr_scheduler_states=True)
-        elif plan.source == "memory":
+        elif plan.source in ("memory", "node_memory"):
             with self.snapshot.serving_held(plan.peers, self.device) as stand_ins:
                 path, _ = engine.load_checkpoint(stand_ins, tag=plan.tag,
                                                  load_optimizer_states=True,
@@ -321,6 +413,11 @@ class CheckpointManager:
             raise CheckpointError(f"DeepSpeed could not load {plan.tag} from {self.local_dir}")
         if self._newest_save is not None and self._newest_save[0] > plan.step:
             self._newest_save = None  # a save of the abandoned timeline: never a target again
+        if plan.source == "node_memory" and self._node_held is not None:
+            self._newest_save = self._node_held  # a NaN rollback may read it from memory too
+        self._node_held = None
+        # a rollback to another state abandons the held copy: a crash must not restart from it
+        self.snapshot.forget_held(unless_tag=plan.tag)
 
     # -- save ---------------------------------------------------------------------------------
 
@@ -328,15 +425,24 @@ class CheckpointManager:
         """On a GPU, starts pinning host memory for this rank's snapshots in the background, so
         that even the first save blocks only for the copy. The size is an estimate: the module's
         parameters, plus fp32 master weights and Adam's two moments of this rank's share of
-        them, +10%. Returns the bytes reserved (0 on CPU)."""
-        if self.device.type != "cuda":
+        them, +10%. Returns the bytes reserved (0 on CPU). On CPU with node memory the arena
+        is reserved too (not pinned, at once), so a crash keeps the newest save there."""
+        cuda = self.device.type == "cuda"
+        if not cuda and self.node is None:
             return 0
         params = list(engine.module.parameters())
         numel = sum(p.numel() for p in params)
         shard = numel // self.me.dp if self.settings.zero_stage >= 1 else numel
         nbytes = int((sum(p.numel() * p.element_size() for p in params) + 12 * shard) * 1.1) \
-            + (64 << 20)
-        self.snapshot.reserve_pinned(nbytes)
+            + ((64 << 20) if cuda else (4 << 20))
+        if self.settings.keep_in_node_memory is True and self.node is not None:
+            why = no_room(nbytes, self.node.folder.parent)
+            if why is not None and not self.snapshot.arena_adopted:
+                raise CheckpointError(f"checkpoint.keep_in_node_memory = true, but {why}; "
+                                      "set it to \"auto\" or false, or make room there")
+        self.snapshot.reserve_pinned(nbytes, pin=cuda)
+        if not cuda:
+            self.snapshot.wait_arena()
         return nbytes
 
     def _pin_early(self, state_bytes: int) -> None:
@@ -360,6 +466,7 @@ class CheckpointManager:
             model_hash=self.settings.model_hash, data_position=data_position))
         t0 = time.perf_counter()
         newest, self._newest_save = self._meta[tag], None
+        self.snapshot.describe_next_save(step, newest[1].model_dump_json())
         engine.save_checkpoint(str(self.local_dir), tag=tag, client_state=client_state,
                                save_latest=False)
         self._newest_save = newest  # its host copy may serve a rollback

@@ -33,6 +33,11 @@ class CheckpointSettings:
     zero_stage: int
     """DeepSpeed's ZeRO stage: which layout changes a checkpoint can be reshaped across, and how
     much of the optimizer state a rank holds (the pinned-memory estimate)."""
+    keep_in_node_memory: bool | str = "auto"
+    """Keep the newest save's host copy in node memory (/dev/shm), so that a restarted worker
+    of this job restores from it (checkpoints/node_memory.py): "auto" where the node has room,
+    else process memory as before; True: the same, but a start without room fails; False:
+    process memory only."""
     s3: Mapping[str, float | None] = field(default_factory=dict)
     """`[checkpoint.s3]` transfer settings for an s3:// store (s3_storage.options_from_settings);
     unset (None) fields fall back to ds3dd's DS3D_S3_* environment."""

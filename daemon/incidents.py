@@ -85,6 +85,9 @@ class IncidentClock:
     def __init__(self) -> None:
         self.open: Incident | None = None
         self.last_step, self.last_step_time = -1, None  # type: tuple[int, float | None]
+        # the newest rank-0 `restoring` record's (step, source): written before the `start`
+        # record of the group that restored it ("node_memory", "local", "store")
+        self.restoring: tuple[int, str] | None = None
 
     def fault(self, cause: str, now: float) -> None:
         """The daemon restarts the workers because of `cause`."""
@@ -119,6 +122,9 @@ class IncidentClock:
                     recovered=t + float(rec.get("seconds", 0.0)),
                     source=str(rec["source"]) if rec.get("source") else None))
                 self.last_step, self.last_step_time = int(rec["recovered_to"]), t
+            elif kind == RecordKind.CHECKPOINT and rec.get("phase") == "restoring" \
+                    and rec.get("source"):
+                self.restoring = (int(rec.get("step", -1)), str(rec["source"]))
         return closed
 
     def _on_start(self, rec: dict[str, Any], t: float, agent_cause: str | None) -> None:
@@ -128,5 +134,8 @@ class IncidentClock:
             spawned = float(rec.get("process_started") or 0.0) or t
             self.open = Incident(agent_cause, "agent", spawned, self.last_step,
                                  self.last_step_time)
+        restoring, self.restoring = self.restoring, None
         if self.open is not None:
             self.open.resumed_from = step
+            if restoring is not None and restoring[0] == step:
+                self.open.source = restoring[1]  # a restart's: where its restore read from

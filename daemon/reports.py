@@ -73,6 +73,8 @@ def record_to_event(rec: dict[str, Any]) -> dict[str, Any] | None:
         ev["message"] = f"{ev['cause']} at step {ev['step']}: {rec.get('detail', '')}"
     elif kind == RecordKind.CHECKPOINT:
         ev["message"] = f"checkpoint step {ev['step']} {rec.get('phase', '')}"
+        if rec.get("phase") == "restoring" and rec.get("source"):  # engine_io.RestorePlan
+            ev["message"] += f" from {RESTORE_SOURCES.get(rec['source'], rec['source'])}"
         if rec.get("phase") in PROBLEM_PHASES:  # the whole truth, not only a phase name
             ev["cause"] = str(rec.get("cause") or rec.get("phase"))
             template = PROBLEM_PHASES.get(f"{rec['phase']}:{rec.get('cause')}",
@@ -118,6 +120,10 @@ def describe_interval(rec: dict[str, Any]) -> str:
             f"{int(f('failures'))} failure(s) in {f('observed_s') / 3600:.2f} h running and a "
             f"prior of {f('mtbf_prior_s') / 3600:.1f} h")
 
+
+# Where a restart's restore reads its checkpoint (`restoring` records: engine_io.RestorePlan)
+RESTORE_SOURCES = {"node_memory": "node memory (the crashed workers' newest save, no disk read)",
+                   "local": "the node-local tier", "store": "the durable store"}
 
 # Checkpoint phases that enter the checkpoint index ("uploaded", "reshaped", "swept" are
 # progress reports, "cleanup_failed" a fault of the cleanup, not of a checkpoint: events only;

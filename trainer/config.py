@@ -302,6 +302,12 @@ class CheckpointConfig(_Section):
         "to be durable; past it they exit, freeing the devices, and the daemon uploads and "
         "commits what is left (daemon/backlog_upload.py) before the job ends")
     load: bool = Field(default=True, description="resume from the newest complete checkpoint")
+    keep_in_node_memory: bool | Literal["auto"] = Field(
+        default="auto", description='keep the newest save\'s host copy in node memory '
+        '(/dev/shm), so that a worker restarted after a crash restores from it: "auto" where '
+        "/dev/shm is a tmpfs with room (else process memory, one log line says why), true "
+        "(the same, but a start without room fails), false (process memory only; "
+        "checkpoints/node_memory.py)")
     s3: S3TransferConfig = Field(default_factory=S3TransferConfig,
                                  description="transfer settings for an s3:// store")
 
@@ -441,7 +447,7 @@ class JobConfig(_Section):
             job=self.name, store=c.store, local_dir=c.local_dir, keep_last=c.keep_last,
             keep_every=c.keep_every, cleanup_grace_s=c.cleanup_grace_s,
             model_hash=self.model_hash(), zero_stage=self.parallel.zero_stage,
-            s3=c.s3.model_dump())
+            keep_in_node_memory=c.keep_in_node_memory, s3=c.s3.model_dump())
 
     def dump_json(self) -> str:
         return self.model_dump_json(indent=2)

@@ -114,6 +114,7 @@ def _train(cfg: JobConfig, run_dir: Path, env, stop_at_step: int | None) -> int:
         trainer = Trainer(cfg, run_dir, env, layout, device, stop_at_step)
         try:
             trainer.wait_for_store(trainer.run())  # a job ends with its last checkpoint durable
+            trainer.ckpt.release_node_memory()  # a clean exit: no restart reads it
         finally:
             trainer.close()
     except (RuntimeError, MemoryError) as e:
