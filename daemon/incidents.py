@@ -10,8 +10,11 @@ A fault is noticed in one of three places, and the clock of its incident starts 
                 re-rendezvoused, restart 0); `detected` = when that group's first process
                 started (the agent's own detection and the re-rendezvous come before it, so this
                 bounds detection from above)
-    workers     an in-process rollback (NaN, loss spike): the trainer's `recovery` record has
-                its own duration and steps lost; detection is the failing step itself
+    workers     an in-process recovery (NaN, loss spike): the trainer's `recovery` record has
+                its own duration and steps lost; detection is the failing step itself. Its
+                `source` says where the state came from: a rollback's checkpoint ("memory",
+                "local", "store"), or "skipped_update" (nothing read: every rank's optimizer
+                skipped the bad update, the step was undone in place, one step lost)
 
 For the first two, `progress stopped` is the newest rank-0 step record before the detection and
 the incident closes at the first rank-0 step record after it:
@@ -29,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ds3d.trainer.kinds import RecordKind
+from ds3d.trainer.kinds import SKIPPED_UPDATE, RecordKind
 
 
 @dataclass
@@ -41,7 +44,7 @@ class Incident:
     last_step_time: float | None
     resumed_from: int | None = None
     recovered: float | None = None
-    source: str | None = None  # an in-process rollback's: where it read the state from
+    source: str | None = None  # an in-process recovery's: where it read the state from
 
     @property
     def time_to_detect_s(self) -> float | None:
@@ -72,10 +75,11 @@ class Incident:
         detect = self.time_to_detect_s
         noticed = ("" if detect is None else
                    f"noticed {detect:.1f} s after the last step ({self.noticed_by}), ")
+        where = ("" if not self.source else " (in place: the update was skipped)"
+                 if self.source == SKIPPED_UPDATE else f" (read from {self.source})")
         return (f"recovered from {self.cause}: {noticed}training again "
                 f"{self.time_to_recover_s or 0.0:.1f} s later from step {self.resumed_from}"
-                f"{f' (read from {self.source})' if self.source else ''}; "
-                f"{self.steps_lost} step(s) trained again")
+                f"{where}; {self.steps_lost} step(s) trained again")
 
 
 class IncidentClock:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ds3d.trainer.kinds import EventKind, RecordKind
+from ds3d.trainer.kinds import SKIPPED_UPDATE, EventKind, RecordKind
 from ds3d.trainer.report import KEPT_SEGMENTS, parse_segment_name, read_records
 
 from .jobdir import JobDir
@@ -88,15 +88,19 @@ def record_to_event(rec: dict[str, Any]) -> dict[str, Any] | None:
             ev["kind"] = EventKind.RECOVERY
             ev["cause"] = "worker_exit"
             ev["message"] = f"worker group restarted by the agent ({ev['message']})"
-    elif kind == RecordKind.RECOVERY:  # an in-process rollback (trainer/loop.py)
+    elif kind == RecordKind.RECOVERY:  # an in-process recovery (trainer/loop.py)
         ev["cause"] = str(rec.get("cause", ""))
         a, b = (rec.get("skipped_batches") or [0, 0])[:2]  # [a, b): batches skipped from now
         skipped = "" if b <= a else f", batch {a} skipped" if b == a + 1 else \
             f", batches {a}-{b - 1} skipped"
-        source = f" (read from {rec['source']})" if rec.get("source") else ""
-        ev["message"] = (f"{ev['cause']} at step {ev['step']}: rolled back to the checkpoint of "
-                         f"step {rec.get('recovered_to')}{source} in {rec.get('seconds', 0)} s"
-                         f"{skipped}")
+        if rec.get("source") == SKIPPED_UPDATE:
+            how = (f"every rank skipped its update; undone in place, back to step "
+                   f"{rec.get('recovered_to')}")
+        else:
+            source = f" (read from {rec['source']})" if rec.get("source") else ""
+            how = f"rolled back to the checkpoint of step {rec.get('recovered_to')}{source}"
+        ev["message"] = (f"{ev['cause']} at step {ev['step']}: {how} in {rec.get('seconds', 0)} "
+                         f"s{skipped}")
     elif kind == RecordKind.DONE:
         ev["message"] = f"workers done at step {ev['step']}: {rec.get('reason', '')}"
     elif kind == RecordKind.CHECKPOINT_INTERVAL:

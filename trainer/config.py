@@ -316,16 +316,19 @@ class FaultsConfig(_Section):
     """What the trainer does when a step goes bad. Every rank decides the same (one all-reduce)."""
 
     nan_policy: Literal["rollback", "pause", "alert"] = Field(
-        default="rollback", description="on NaN/Inf loss or gradient norm: reload the newest "
-        "committed checkpoint and skip the bad data window, pause the job, or only report")
+        default="rollback", description="on NaN/Inf loss or gradient norm: recover in-process "
+        "(undo the step in place when every optimizer skipped its update, else reload the "
+        "newest checkpoint) and skip the bad data window, pause the job, or only report")
     skip_batches: int = Field(default=1, ge=0, le=10**6, description="batches skipped on a "
-                              "rollback, ending with the one that failed")
+                              "recovery, ending with the one that failed (0: trained again; "
+                              "above 1 always a rollback)")
     lr_factor: float = Field(default=1.0, gt=0, le=1, description="multiply the LR by this on "
-                             "every rollback (1 = unchanged)")
+                             "every recovery from a bad step (1 = unchanged)")
     fp16_max_skipped_steps: int = Field(default=20, ge=0, le=10**6, description="fp16: "
                                         "consecutive overflow-skipped steps tolerated before a "
                                         "rollback")
-    max_rollbacks: int = Field(default=3, ge=1, le=1000, description="rollbacks allowed within "
+    max_rollbacks: int = Field(default=3, ge=1, le=1000, description="recoveries from bad steps "
+                               "(rollbacks or steps undone in place) allowed within "
                                "rollback_window_steps before the job pauses instead")
     rollback_window_steps: int = Field(default=1000, ge=1, le=MAX_STEPS)
     spike_policy: Literal["off", "alert", "rollback"] = Field(

@@ -52,7 +52,9 @@ class StepResult:
     grad_norm: float | None
     lr: float
     loss_scale: float | None
-    skipped: bool  # the optimizer step was not applied (fp16 overflow)
+    # the optimizer did not apply this step's update: fp16 overflow, or a non-finite gradient
+    # norm under BF16_Optimizer or ZeRO 1/2 (DeepSpeed discards the gradients)
+    skipped: bool
     seconds: float
 
 
@@ -115,6 +117,7 @@ class TrainStep:
         self.plan = BatchPlan(cfg, layout.dp_size, layout.dp_rank)
         self.timer = StepTimer(self.engine, device, cfg.train.timing_interval)
         self.last_split: dict[str, Any] | None = None  # of the last sampled step
+        self._counters_before: tuple[int, int, int] | None = None  # of the last step
 
     def _tensors(self, batch: tuple[Any, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = (torch.from_numpy(a) for a in batch)
@@ -124,6 +127,7 @@ class TrainStep:
         """Trains on the batch of optimizer step `step` (0-based)."""
         engine = self.engine
         skipped_before = engine.skipped_steps
+        self._counters_before = (engine.global_steps, engine.global_samples, skipped_before)
         lr = float(engine.optimizer.param_groups[0]["lr"])  # the LR this step trains with
         timer = self.timer
         timer.begin(step + 1)
@@ -157,6 +161,23 @@ class TrainStep:
             skipped=engine.skipped_steps > skipped_before,
             seconds=seconds,
         )
+
+    def forget_skipped_step(self) -> None:
+        """Takes back the last step, whose update the optimizer skipped, as if it never ran.
+
+        DeepSpeed (0.19, `DeepSpeedEngine._take_model_step`) on a skipped update leaves the
+        weights and the optimizer's moments and step counts as they were, clears the
+        gradients and does not step the LR scheduler, but still advances `global_steps`,
+        `global_samples` and `skipped_steps`: those three are put back, so that the engine
+        equals the one a rollback to the step before would give (a checkpoint restores the
+        three). `micro_steps` is left as is: a rollback does not restore it either, and a
+        whole step's micro-batches keep it on an accumulation boundary."""
+        engine, before = self.engine, self._counters_before
+        if before is None or engine.was_step_applied() or engine.skipped_steps != before[2] + 1:
+            raise RuntimeError("forget_skipped_step: the last step's update was applied (or "
+                               "no step ran); only a rollback can take it back")
+        engine.global_steps, engine.global_samples, engine.skipped_steps = before
+        self._counters_before = None
 
     @property
     def tokens_per_step(self) -> int:

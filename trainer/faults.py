@@ -2,7 +2,7 @@
 
 Detection is local and cheap (the loss and gradient norm every rank already has); the decision
 is collective: the loop folds each rank's verdict into its one per-step all-reduce, so a NaN on
-one rank becomes the same rollback on all ranks (a rank-0-only decision once let other ranks'
+one rank becomes the same recovery on all ranks (a rank-0-only decision once let other ranks'
 bad gradients through).
 
 Injection ("chaos drills") is requested by the daemon through `control/inject.json`

@@ -25,12 +25,18 @@ class RecordKind(enum.StrEnum):
     HEARTBEAT = "heartbeat"        # liveness and phase (every rank, every step); never stored
     CHECKPOINT = "checkpoint"      # a checkpoint's progress or problem (`phase`)
     FAULT = "fault"                # a fault seen inside the step loop (`cause`)
-    RECOVERY = "recovery"          # an in-process rollback
+    RECOVERY = "recovery"          # an in-process recovery (`source`: see SKIPPED_UPDATE)
     DONE = "done"                  # the step loop ended (`reason`: a DoneReason)
     CHECKPOINT_INTERVAL = "checkpoint_interval"  # the "auto" interval decided
     COMMAND = "command"            # a daemon command acted on (or refused)
     PROFILE = "profile"            # measured per-layer costs of one stage (ds3dctl rebalance)
     REPARTITION = "repartition"    # pipeline stage boundaries decided
+
+
+# `source` of a `recovery` record when nothing was read: every rank's optimizer skipped the bad
+# step's update and the step was undone in place (trainer/loop.py); else the source is where a
+# rollback read its state: "memory", "local" or "store" (checkpoints/engine_io.py RestorePlan)
+SKIPPED_UPDATE = "skipped_update"
 
 
 class EventKind(enum.StrEnum):

@@ -2,9 +2,10 @@
 recover from bad steps.
 
 All ranks take every decision together. Once per step one small all-reduce (MAX) carries
-[command id, command action, bad-step flag, spike flag]: rank 0 contributes the daemon's newest
-command, every rank its own verdict on the step (NaN/Inf loss or gradient norm, loss spike). So
-a command or a fault is acted on by every rank at the same step, and no rank decides alone.
+[command id, command action, bad-step flag, spike flag, checkpoint due, update applied]: rank 0
+contributes the daemon's newest command, every rank its own verdict on the step (NaN/Inf loss or
+gradient norm, loss spike) and whether its optimizer applied the step's update. So a command or
+a fault is acted on by every rank at the same step, and no rank decides alone.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from .config import JobConfig
 from .data import batch_index
 from .engine import StepResult, TrainStep
 from .faults import FaultInjector, RollbackBudget, SpikeDetector
-from .kinds import DoneReason, RecordKind
+from .kinds import SKIPPED_UPDATE, DoneReason, RecordKind
 from .layer_profile import PartitionTuner
 from .layout import ParallelLayout, ProcessEnv
 from .partition import current_partition
@@ -201,22 +202,29 @@ class Trainer:
         spike = finite and f.spike_policy != "off" and self.spikes.observe(r.loss)
         return not finite, spike
 
-    def _agree(self, bad: bool = False,
-               spike: bool = False) -> tuple[int, int, bool, bool, bool]:
-        """The one per-step collective: [command id, action, bad step, spike, checkpoint due],
-        MAX over ranks (rank 0 alone contributes the command and the "auto" interval's word)."""
+    def _agree(self, bad: bool = False, spike: bool = False,
+               applied: bool = False) -> tuple[int, int, bool, bool, bool, bool]:
+        """The one per-step collective: [command id, action, bad step, spike, checkpoint due,
+        update applied], MAX over ranks (rank 0 alone contributes the command and the "auto"
+        interval's word). The last is true when any rank's optimizer applied the step's update:
+        false means every rank skipped it, which a bad step can recover from in place."""
         cid, action = self.inbox.poll() if self.env.rank == 0 else (0, 0)
         due = self._checkpoint_due()
-        flags = torch.tensor([cid, action, int(bad), int(spike), int(due)], dtype=torch.long,
-                             device=self.device)
+        flags = torch.tensor([cid, action, int(bad), int(spike), int(due), int(applied)],
+                             dtype=torch.long, device=self.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return int(flags[0]), int(flags[1]), bool(flags[2]), bool(flags[3]), bool(flags[4])
+        return (int(flags[0]), int(flags[1]), bool(flags[2]), bool(flags[3]), bool(flags[4]),
+                bool(flags[5]))
 
-    def _recover(self, cause: str, r: StepResult) -> str | None:
-        """Policy for a bad step (collective): reload a checkpoint in this process (the newest
-        save from its host copy when no suspect step trained it, else the newest committed one
-        from the local tier) and skip the data window that ended with the failed batch. Returns
-        a reason to stop (pause) when the policy or the rollback budget says so."""
+    def _recover(self, cause: str, r: StepResult, applied: bool) -> str | None:
+        """Policy for a bad step (collective): undo it in place when no rank's optimizer applied
+        its update (`_undo_skipped_update`), else reload a checkpoint in this process (the
+        newest save from its host copy when no suspect step trained it, else the newest
+        committed one from the local tier); either way skip the data window that ended with the
+        failed batch. `applied`: some rank applied the step's update (agreed). Returns a reason
+        to stop (pause) when the policy or the rollback budget says so. Both recoveries count
+        against the rollback budget: NaNs that keep coming want a person (data, LR, hardware),
+        however cheap each one is to recover from."""
         f, failed = self.cfg.faults, self.step
         policy = f.nan_policy if cause == "nan" else f.spike_policy
         detail = f"loss={r.loss} grad_norm={r.grad_norm} loss_scale={r.loss_scale}"
@@ -246,6 +254,9 @@ class Trainer:
                 self._drop_suspect_checkpoints(failed - suspect)
             self.saved_step = self.step  # never checkpoint the bad weights
             return DoneReason.PAUSED
+        if self._update_skipped_everywhere(cause, applied):
+            self._undo_skipped_update(cause, failed)
+            return None
         t0 = time.perf_counter()
         # the newest save, unless a suspect step trained it: read from its host copy, with no
         # wait for its files or upload (engine_io.plan_memory_rollback)
@@ -269,9 +280,7 @@ class Trainer:
         if f.skip_batches:
             self.cfg.data.skip_batches = sorted(set(self.cfg.data.skip_batches) | {window})
         self.ckpt.load(self.step_fn.engine, plan)
-        sched = self.step_fn.engine.lr_scheduler
-        if f.lr_factor != 1.0 and sched is not None:
-            sched.base_lrs = [lr * f.lr_factor for lr in sched.base_lrs]
+        self._lower_lr()
         self.step = self.saved_step = plan.step
         self.tokens_seen = plan.manifest.tokens_seen
         self.spikes.reset()
@@ -286,6 +295,52 @@ class Trainer:
         log.warning("rolled back", cause=cause, failed_step=failed, to_step=plan.step,
                     skipped_batches=window, source=plan.source)
         return None
+
+    def _update_skipped_everywhere(self, cause: str, applied: bool) -> bool:
+        """A NaN/Inf step can be undone in place when every rank's optimizer skipped its update
+        (BF16_Optimizer, ZeRO 1/2: a non-finite gradient norm discards the gradients), so the
+        weights and the optimizer state are still the previous step's. Not for a spike (its
+        updates were applied), fp16 (a bad step there ends a run of overflow-skipped steps:
+        the rollback, as before), nor when `faults.skip_batches` > 1 asks to skip batches that
+        were already trained on: only a rollback takes those back."""
+        return (cause == "nan" and not applied and self.cfg.train.precision != "fp16"
+                and self.cfg.faults.skip_batches <= 1)
+
+    def _undo_skipped_update(self, cause: str, failed: int) -> None:
+        """The bad step `failed` costs one batch: back to step `failed - 1` in place, with the
+        weights, optimizer state, LR schedule and engine counters a rollback to a checkpoint of
+        that step would give (so the run goes on bit for bit as a rollback, or a fault-free run
+        with the same skipped window, would), and nothing read from any checkpoint. Its batch
+        is skipped as a rollback skips it (`faults.skip_batches` = 0: trained again). The spike
+        detector keeps its history: the bad loss never entered it, and every loss in it is of a
+        step that stays in the run (a rollback clears it because the steps after the checkpoint
+        are trained again). The work since the last save is unchanged: the "auto" interval's
+        clock goes on."""
+        t0 = time.perf_counter()
+        self.step_fn.forget_skipped_step()
+        self.step -= 1
+        self.tokens_seen -= self.step_fn.tokens_per_step
+        window: list[int] = []
+        if self.cfg.faults.skip_batches:
+            bad_batch = batch_index(failed - 1, self.cfg.data.skip_batches)
+            window = [bad_batch, bad_batch + 1]
+            self.cfg.data.skip_batches = sorted(set(self.cfg.data.skip_batches) |
+                                                {(bad_batch, bad_batch + 1)})
+        self._lower_lr()
+        if self.tb is not None:
+            self.tb.scalar(f"faults/skipped_update_{cause}", 1, failed)
+        self.reporter.emit(RecordKind.RECOVERY, cause=cause, step=failed, recovered_to=self.step,
+                           steps_lost=1, skipped_batches=window,
+                           seconds=round(time.perf_counter() - t0, 3),
+                           source=SKIPPED_UPDATE)
+        log.warning("bad step undone in place: its update was skipped", cause=cause,
+                    failed_step=failed, to_step=self.step, skipped_batches=window)
+
+    def _lower_lr(self) -> None:
+        """`faults.lr_factor` on the LR schedule, after every recovery from a bad step."""
+        sched, factor = self.step_fn.engine.lr_scheduler, self.cfg.faults.lr_factor
+        if factor != 1.0 and sched is not None:
+            sched.base_lrs = [lr * factor for lr in sched.base_lrs]
 
     def _drop_suspect_checkpoints(self, last_good: int) -> list[int]:
         """Collective: checkpoints saved after `last_good` hold weights trained on the suspect
@@ -358,7 +413,7 @@ class Trainer:
             self.auto.last_save = time.monotonic()
             self.reporter.emit(RecordKind.CHECKPOINT_INTERVAL, step=first,
                                **self.auto.decision.record())
-        cid, action, _, _, _ = self._agree()
+        cid, action, *_ = self._agree()
         while True:
             if action:
                 stop = self._obey(cid, action)
@@ -378,9 +433,10 @@ class Trainer:
             self.tokens_seen += self.step_fn.tokens_per_step
             self._report_step(result)
             profiled = self.tuner.after_step(self.step)  # collective when a profile window ends
-            cid, action, bad, spike, due = self._agree(*self._verdict(result))
+            cid, action, bad, spike, due, applied = self._agree(*self._verdict(result),
+                                                                applied=not result.skipped)
             if bad or spike:
-                stop = self._recover("nan" if bad else "spike", result)
+                stop = self._recover("nan" if bad else "spike", result, applied)
                 if stop:
                     reason = stop
                     break

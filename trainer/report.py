@@ -35,8 +35,10 @@ and their extra fields:
                 durable ("restoring": false when restored from the local-complete copy) (the
                 phases' meaning: daemon/reports.py; the two commits: checkpoints/local_complete.py)
     fault       cause ("nan", "spike", "oom", "injected_<FaultKind>", ...), step, detail
-    recovery    cause, step (the failed one), recovered_to, steps_lost, skipped_batches, seconds
-                (an in-process rollback)
+    recovery    cause, step (the failed one), recovered_to, steps_lost, skipped_batches, seconds,
+                source (an in-process recovery: where a rollback read its state, "memory",
+                "local" or "store"; or "skipped_update": a NaN step whose update every rank's
+                optimizer skipped, undone in place, nothing read)
     done        step (the last step), reason (`DoneReason`: "completed", "paused", "stopped",
                 "repartition", "restart")
     checkpoint_interval  step, interval_s and the figures it was decided from ("auto" interval,

@@ -8,7 +8,8 @@ DS3D_PEAK_TFLOPS for other hardware).
 Tags: train/{loss,lr,grad_norm,loss_scale (fp16)}, perf/{tokens_per_s,step_time_s,mfu}, on
 sampled steps time/<part> and perf/{bubble,bubble_theoretical,reduce_to_forward},
 checkpoint/blocked_s, faults/restarts (the agent's restart count), faults/rollback_<cause>
-(in-process rollbacks) and restarts/<cause> (why this start is not the job's first; see
+(in-process rollbacks), faults/skipped_update_nan (a NaN step whose skipped update was undone in
+place) and restarts/<cause> (why this start is not the job's first; see
 `restart_cause`).
 """
 

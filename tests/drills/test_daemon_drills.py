@@ -247,23 +247,29 @@ def test_straggler_is_named_and_exported_per_rank(daemon, reference):
 
 
 @pytest.mark.timeout(900)
-def test_nan_rolls_back_through_the_daemon(daemon, reference):
-    """An injected NaN on rank 1 (bf16-style policy: roll back, skip the window): the job
-    completes, the fault and the recovery are events, steps before the rollback point keep
-    the reference losses and none after it is NaN."""
+def test_nan_is_undone_in_place_through_the_daemon(daemon, reference):
+    """An injected NaN on rank 1: DeepSpeed's ZeRO-1 optimizer (the job's default) skips the
+    update of a step whose gradient norm is not finite, so every rank agrees to undo the step
+    in place and skip its batch (trainer/loop.py `_undo_skipped_update`): one step lost,
+    nothing read. The job completes, the fault and the recovery are events, steps before it
+    keep the reference losses and none after it is NaN."""
     name = "nan"
     run_dir, job, evs, at = drill(daemon, name, "nan", 1)
     nan = [e for e in evs if e["kind"] == "fault" and e["cause"] == "nan"]
     assert sorted(e["rank"] for e in nan) == [0, 1, 2, 3]  # every rank agreed on it
     assert {e["step"] for e in nan} == {at}, [e["message"] for e in nan]
     rec = records(run_dir, 0, "recovery")
-    assert len(rec) == 1 and rec[0]["cause"] == "nan" and rec[0]["recovered_to"] < at
-    back = rec[0]["recovered_to"]
+    assert len(rec) == 1 and rec[0]["cause"] == "nan" and rec[0]["recovered_to"] == at - 1
+    back = at - 1
     assert rec[0]["skipped_batches"] == [at - 1, at]  # batch at-1 fed step at
-    assert rec[0]["source"] == "memory"  # the newest save, from its host copy: no wait
+    assert rec[0]["source"] == "skipped_update" and rec[0]["steps_lost"] == 1
+    recovery = [e for e in evs if e["kind"] == "recovery" and e["rank"] == 0]
+    assert recovery and "every rank skipped its update; undone in place, back to step " \
+        f"{back}" in recovery[0]["message"], recovery
     assert_recovered(evs, run_dir, "nan", "workers", back, last_step=at)
     recovered = [e for e in evs if e["kind"] == "recovered"]
-    assert f"from step {back} (read from memory)" in recovered[0]["message"], recovered
+    assert f"from step {back} (in place: the update was skipped)" in recovered[0]["message"], \
+        recovered
     got = losses(run_dir)
     assert sorted(got) == list(range(1, STEPS + 1))
     assert all(v == v for v in got.values())

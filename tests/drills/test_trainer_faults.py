@@ -20,13 +20,19 @@ def _inject(run_dir, **req):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_nan_rolls_back_and_equals_a_run_that_skipped_the_window(tmp_path):
+    """fp32 at ZeRO 0: the plain torch optimizer applies the NaN update (ZeRO 1/2 and bf16
+    would skip it and the step is undone in place instead: test_nan_in_place.py), so only a
+    rollback brings back good weights."""
+    sets = SETS + ["parallel.zero_stage=0"]
     ref, run = tmp_path / "ref", tmp_path / "run"
-    torchrun(ref, 4, sets=SETS + ["data.skip_batches=[[4, 5]]"])
+    torchrun(ref, 4, sets=sets + ["data.skip_batches=[[4, 5]]"])
     _inject(run, kind="nan", rank=1, at_step=5)  # rank 1: stage 0, second TP rank
-    torchrun(run, 4, sets=SETS)
+    torchrun(run, 4, sets=sets)
     faults = records(run, 0, "fault")
     assert [(f["cause"], f["step"]) for f in faults] == [("nan", 5)]
     assert "loss=nan" in faults[0]["detail"]
+    bad = next(r for r in records(run, 0, "step") if r["step"] == 5)
+    assert bad["loss"] != bad["loss"] and not bad["skipped"]  # NaN, and the update applied
     rec = records(run, 0, "recovery")
     # the newest save, step 4's, read back from its host copy: no wait for its files or upload
     assert len(rec) == 1 and rec[0]["recovered_to"] == 4 and rec[0]["source"] == "memory", rec

@@ -69,15 +69,33 @@ def test_fp16_overflow_is_skipped_by_the_loss_scaler_not_rolled_back(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_bf16_nan_on_gpu_rolls_back_to_the_checkpoint(tmp_path):
+    """`faults.skip_batches` = 2 makes the NaN a rollback (BF16_Optimizer skipped the update,
+    which alone would be undone in place: the next test), so the checkpoint path is the one
+    tested here; the window is still one batch, as the rollback's target is step 4."""
     _inject(tmp_path, kind="nan", rank=0, at_step=5)
-    torchrun(tmp_path, 1, sets=BASE + ['train.precision="bf16"'], env=GPU_ENV)
+    torchrun(tmp_path, 1, sets=BASE + ['train.precision="bf16"', "faults.skip_batches=2"],
+             env=GPU_ENV)
     rec = records(tmp_path, 0, "recovery")
     # at ~15 ms a step, step 4's checkpoint is still uploading when step 5 fails: the rollback
     # waits for its commit rather than finding nothing committed (or an older one)
     seen = [r for k in ("fault", "checkpoint", "done") for r in records(tmp_path, 0, k)]
     assert len(rec) == 1 and rec[0]["recovered_to"] == 4, seen
+    assert rec[0]["source"] in ("memory", "local"), rec
     assert rec[0]["skipped_batches"] == [4, 5]
     got = losses(tmp_path)
     assert all(v == v for v in got.values())  # no NaN survives in the reported losses
     assert sorted(got) == list(range(1, 11))
 
+
+@pytest.mark.timeout(300)
+def test_bf16_nan_on_gpu_is_undone_in_place(tmp_path):
+    """BF16_Optimizer's norm (ds3d's fused one on CUDA) sees the NaN and skips the update: the
+    step is undone in place, nothing read, one step lost, and no NaN survives."""
+    _inject(tmp_path, kind="nan", rank=0, at_step=5)
+    torchrun(tmp_path, 1, sets=BASE + ['train.precision="bf16"'], env=GPU_ENV)
+    [rec] = records(tmp_path, 0, "recovery")
+    assert rec["source"] == "skipped_update", rec
+    assert (rec["recovered_to"], rec["steps_lost"], rec["skipped_batches"]) == (4, 1, [4, 5])
+    got = losses(tmp_path)
+    assert all(v == v for v in got.values())
+    assert sorted(got) == list(range(1, 11))

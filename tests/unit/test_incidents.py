@@ -90,6 +90,25 @@ def test_in_process_rollback_says_where_it_read_the_state_from():
         "batch 6 skipped")
 
 
+def test_a_bad_step_undone_in_place_says_nothing_was_read():
+    """A NaN whose update every rank skipped (trainer/loop.py `_undo_skipped_update`): one step
+    lost, and the events say it was undone in place, not read from anywhere."""
+    from ds3d.daemon.reports import record_to_event
+
+    rec = {"kind": "recovery", "cause": "nan", "step": 7, "recovered_to": 6, "steps_lost": 1,
+           "seconds": 0.0, "time": 9.0, "rank": 0, "source": "skipped_update",
+           "skipped_batches": [6, 7]}
+    [inc] = IncidentClock().observe([step(6, 8.0), rec])
+    assert (inc.steps_lost, inc.resumed_from, inc.as_detail()["source"]) == (
+        1, 6, "skipped_update")
+    assert ("from step 6 (in place: the update was skipped); 1 step(s) trained again"
+            in inc.message())
+    ev = record_to_event(rec)
+    assert ev is not None and ev["message"] == (
+        "nan at step 7: every rank skipped its update; undone in place, back to step 6 in "
+        "0.0 s, batch 6 skipped")
+
+
 def test_planned_restarts_and_ended_jobs_open_nothing():
     clock = IncidentClock()
     clock.observe([step(1, 1.0), start(1, 5.0), step(2, 6.0)])  # pause/resume, repartition
