@@ -4,8 +4,9 @@ The same job, (TP, PP, DP) = (2, 2, 1) `tiny`, 30 steps, checkpoint every 5 step
 the real elastic agent (torchrun, --max-restarts 3) once without faults and once per fault kind,
 injected at step 12 on rank 1 through control/inject.json (what `ds3dctl inject` writes):
 
-  nan    the rank's forward turns NaN; all ranks agree, roll back in-process to step 10, skip
-         the batch
+  nan    the rank's forward turns NaN; DeepSpeed's ZeRO-1 optimizer skips that step's update
+         on every rank, so all ranks agree to undo the step in place (back to step 11, no
+         checkpoint read) and skip its batch; one step lost
   crash  the rank exits with code 13; the agent restarts the group, which resumes from step 10
   hang   the rank stops forever; the gloo collective timeout (DS3D_COLLECTIVE_TIMEOUT_S, here
          20 s) turns the stuck collective into an error, the agent restarts the group
