@@ -151,23 +151,28 @@ class CheckpointManager:
 
     def _node_arena(self) -> NodeArena | None:
         """This rank's node memory arena (`checkpoint.keep_in_node_memory`), or None when it
-        is off. `true` fails here when the node memory folder is not a tmpfs; its size is
-        checked once the state's size is known (`prepare`)."""
-        keep = self.settings.keep_in_node_memory
-        if keep is False:
-            return None
-        me = self.me
+        is off or could never be restored (data-parallel size > 1). `true` fails here when
+        the node memory folder is not a tmpfs; its size is checked once the state's size is
+        known (`prepare`). Files of another layout go: ranks beyond this world, or all of
+        them when none is kept."""
+        keep, me = self.settings.keep_in_node_memory, self.me
         node = NodeArena(Fingerprint(job_id=self.job_id, rank=me.rank, world_size=me.world_size,
                                      tp=me.tp, pp=me.pp, dp=me.dp,
                                      model_hash=self.settings.model_hash))
+        kept = keep is not False and me.dp == 1  # dp > 1: never restorable (_agree_node_held)
+        if me.local_rank == 0:
+            node.remove_ranks_from(me.world_size if kept else 0)
+        if not kept:
+            if keep is not False and me.rank == 0:
+                log.info("node_memory_unused", reason="data-parallel size > 1: DeepSpeed's "
+                         "data-parallel ranks above 0 read model files rank 0 wrote")
+            return None
         if keep is True:
             why = no_room(0, node.folder.parent)
             if why is not None:
                 raise CheckpointError(f"checkpoint.keep_in_node_memory = true, but {why}; "
                                       "set it to \"auto\" (fall back to process memory) or "
                                       "false, or give the node a tmpfs /dev/shm")
-        if me.local_rank == 0:
-            node.remove_ranks_from(me.world_size)  # a start with a smaller world
         return node
 
     def release_node_memory(self) -> None:

@@ -228,7 +228,7 @@ class NodeArena:
                 pickle.dump(header, fh, protocol=pickle.HIGHEST_PROTOCOL)
                 _Pickler(fh, base, len(arena)).dump(files)
             os.replace(tmp, self.marker_path)
-        except _NotInArena as e:
+        except (_NotInArena, OSError) as e:  # OSError: the folder removed under a live job
             tmp.unlink(missing_ok=True)
             log.warning("node_memory_not_marked", step=step, detail=str(e))
             return False
@@ -260,6 +260,10 @@ class NodeArena:
                 continue
             if rank >= world_size:
                 path.unlink(missing_ok=True)
+        try:
+            self.folder.rmdir()
+        except OSError:
+            pass  # files of ranks still in the world, or no folder
 
 
 class _NotInArena(ValueError):

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ds3d.checkpoints.disk_space import is_disk_full
+from ds3d.checkpoints.node_memory import remove_job_folder
 from ds3d.trainer.config import JobConfig
 from ds3d.trainer.errors import Ds3dError
 from ds3d.trainer.kinds import DoneReason, EventKind, RecordKind
@@ -728,6 +729,7 @@ class JobSupervisor:
         self._kill_agent(now=True)
         ProcessRef(job.rdzv_pid, job.rdzv_started).terminate(grace_s=2.0)
         self.nodes.stop_shares(self._config(job))
+        release_node_memory(job)
 
     def _config(self, job: Job) -> JobConfig:
         """The job's configuration, parsed once and held (keyed by the job and the stored
@@ -737,6 +739,14 @@ class JobSupervisor:
             held = (job.name, job.config_json, JobConfig.model_validate_json(job.config_json))
             self._held_config = held  # one assignment: the service's thread may read it too
         return held[2]
+
+
+def release_node_memory(job: Job) -> None:
+    """A job that ended holds nothing in node memory any more (checkpoints/node_memory.py: its
+    workers' newest save kept in /dev/shm for a restart, RAM until removed)."""
+    if job.job_id and remove_job_folder(job.job_id):
+        get_logger("ds3d.supervisor", job=job.name).info("node memory released",
+                                                          job_id=job.job_id)
 
 
 REJOIN_COMMAND_WAIT_S = 60.0  # a command the workers never acknowledge does not block a rejoin
@@ -757,6 +767,8 @@ class Supervisors:
         for job in self.ctx.store.list_jobs():
             if job.state not in TERMINAL:
                 self.ensure(job.name)
+            else:  # ended while this daemon was down (or before its cleanup finished)
+                release_node_memory(job)
 
     def ensure(self, name: str) -> None:
         with self._lock:

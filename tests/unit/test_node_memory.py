@@ -238,3 +238,37 @@ def test_a_64_mb_dev_shm_falls_back(small_tmpfs, tmp_path: Path) -> None:  # typ
     engine = _engine(roomy)
     assert NodeArena(FP, roomy).arena_path.stat().st_size == ARENA
     engine.close()
+
+
+def _manager(run_dir: Path, keep: bool | str, dp: int = 1):  # type: ignore[no-untyped-def]
+    from ds3d.checkpoints.engine_io import CheckpointManager, Rank
+    from ds3d.checkpoints.settings import CheckpointSettings
+
+    settings = CheckpointSettings(job="nm", store=None, local_dir=None, keep_last=5,
+                                  keep_every=0, cleanup_grace_s=3600.0, model_hash="abc",
+                                  zero_stage=1, keep_in_node_memory=keep)
+    return CheckpointManager(settings, run_dir, Rank(0, 1, 0, 1, 1, dp), torch.device("cpu"),
+                             lambda *a, **k: None)
+
+
+def test_true_without_a_tmpfs_fails_at_start_and_auto_falls_back(
+        tmp_path: Path, one_rank_group, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    assert no_room(ARENA, tmp_path) is not None or pytest.skip("tmp_path is a tmpfs here")
+    monkeypatch.setenv("DS3D_NODE_MEMORY_ROOT", str(tmp_path / "shm"))
+    (tmp_path / "shm").mkdir()
+    from ds3d.checkpoints.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"keep_in_node_memory = true, but .* not a tmpfs"):
+        _manager(tmp_path / "a", True)
+    auto = _manager(tmp_path / "b", "auto")
+    try:
+        assert auto.node is not None  # tried at the arena's reservation, falls back there
+    finally:
+        auto.close()
+    off = _manager(tmp_path / "c", False)
+    data_parallel = _manager(tmp_path / "d", "auto", dp=2)
+    try:
+        assert off.node is None and data_parallel.node is None
+    finally:
+        off.close()
+        data_parallel.close()
