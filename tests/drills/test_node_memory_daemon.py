@@ -25,11 +25,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 
+from test_daemon_drills import inject_before_training, injected_step, logs  # noqa: E402
+
 from ds3d.checkpoints.identity import local_job_id, new_job_id  # noqa: E402
 from ds3d.checkpoints.node_memory import job_folder  # noqa: E402
 
 from fixtures.s3 import free_port  # noqa: E402
-from test_daemon_drills import inject_before_training, injected_step, logs  # noqa: E402
 from test_daemon_support import DaemonProc, kill_job_processes  # noqa: E402
 
 pytestmark = [pytest.mark.slow]
