@@ -440,9 +440,12 @@ class CheckpointManager:
         shard = numel // self.me.dp if self.settings.zero_stage >= 1 else numel
         nbytes = int((sum(p.numel() * p.element_size() for p in params) + 12 * shard) * 1.1) \
             + ((64 << 20) if cuda else (4 << 20))
-        if self.settings.keep_in_node_memory is True and self.node is not None:
-            why = no_room(nbytes, self.node.folder.parent)
-            if why is not None and not self.snapshot.arena_adopted:
+        node = self.node
+        if self.settings.keep_in_node_memory is True and node is not None \
+                and not self.snapshot.arena_adopted:
+            old = node.arena_path.stat().st_size if node.arena_path.exists() else 0
+            why = no_room(nbytes, node.folder.parent, reusable=old)
+            if why is not None:
                 raise CheckpointError(f"checkpoint.keep_in_node_memory = true, but {why}; "
                                       "set it to \"auto\" or false, or make room there")
         self.snapshot.reserve_pinned(nbytes, pin=cuda)

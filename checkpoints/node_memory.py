@@ -149,6 +149,7 @@ class NodeArena:
         self.arena_path = self.folder / f"rank-{fingerprint.rank:05d}.arena"
         self.marker_path = self.folder / f"rank-{fingerprint.rank:05d}.held"
         self._identity: tuple[int, int] | None = None  # (inode, size) of the mapped arena
+        self._mapped: mmap.mmap | None = None  # that mapping (made or adopted here)
 
     def create(self, nbytes: int) -> mmap.mmap | None:
         """A fresh arena file of `nbytes`, fully allocated and mapped shared; None (after one
@@ -165,7 +166,7 @@ class NodeArena:
                 os.posix_fallocate(fd, 0, nbytes)
                 buf = mmap.mmap(fd, nbytes, mmap.MAP_SHARED)
                 st = os.fstat(fd)
-                self._identity = (st.st_ino, st.st_size)
+                self._identity, self._mapped = (st.st_ino, st.st_size), buf
                 log.info("node_memory_arena", path=str(self.arena_path), bytes=nbytes)
                 return buf
             except OSError as e:
@@ -209,7 +210,7 @@ class NodeArena:
             log.warning("node_memory_marker_ignored", path=str(self.marker_path), error=str(e))
             self.forget()
             return None
-        self._identity = (st.st_ino, st.st_size)
+        self._identity, self._mapped = (st.st_ino, st.st_size), buf
         return buf, Held(str(header["tag"]), int(header["step"]), str(header["meta"]), files)
 
     def mark(self, tag: str, step: int, meta: str, files: dict[str, Any],
@@ -217,7 +218,7 @@ class NodeArena:
         """Writes the marker for a save whose host copies are complete: `files` (name ->
         state) must hold only tensors carved from `arena`; False, and no marker, otherwise
         (a tensor the arena had no room for lives in this process only)."""
-        if self._identity is None:
+        if self._identity is None or arena is not self._mapped:
             return False
         base = _address(arena)
         tmp = self.marker_path.with_name(self.marker_path.name + f".tmp{os.getpid()}")
@@ -237,6 +238,10 @@ class NodeArena:
             raise
         return True
 
+    def owns(self, arena: mmap.mmap) -> bool:
+        """`arena` is this rank's file, made or adopted here (not an anonymous fallback)."""
+        return arena is self._mapped
+
     def forget(self) -> None:
         """Removes the marker: the arena's bytes are about to change (or were never whole)."""
         self.marker_path.unlink(missing_ok=True)
@@ -245,7 +250,7 @@ class NodeArena:
         """Removes this rank's marker and arena (a mapping of it stays valid until closed)."""
         self.forget()
         self.arena_path.unlink(missing_ok=True)
-        self._identity = None
+        self._identity = self._mapped = None
         try:
             self.folder.rmdir()
         except OSError:

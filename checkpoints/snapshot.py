@@ -227,7 +227,10 @@ class SnapshotCheckpointEngine(CheckpointEngine):
                 self._arena, self._arena_pieces = arena, pieces
             elif adopted is None:  # host memory short or locked-memory limit: pin per tensor
                 self._arena_thread = None
-                if self._node is not None:
+                if self._node is not None and self._node.owns(arena):
+                    log.warning("node_memory_unavailable", reason="cudaHostRegister refused "
+                                "the arena", detail="per-tensor pinned buffers: a crash "
+                                "restarts from disk")
                     self._node.remove()
 
         self._arena_thread = threading.Thread(target=reserve, name="ckpt-pin", daemon=True)
