@@ -32,7 +32,8 @@ and their extra fields:
     checkpoint  step, phase ("saved", "local_complete", "committed", "failed", "uploaded",
                 "abandoned", "skipped", "restoring", "loaded", "rolled_back", "reshaped",
                 "retention", "swept", "cleanup_failed"), path, blocked_s, cause, detail,
-                durable ("restoring": false when restored from the local-complete copy) (the
+                durable ("restoring": false when restored from the local-complete copy), source
+                ("restoring": "node_memory", "local" or "store", engine_io.RestorePlan) (the
                 phases' meaning: daemon/reports.py; the two commits: checkpoints/local_complete.py)
     fault       cause ("nan", "spike", "oom", "injected_<FaultKind>", ...), step, detail
     recovery    cause, step (the failed one), recovered_to, steps_lost, skipped_batches, seconds,
