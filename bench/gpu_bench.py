@@ -390,6 +390,7 @@ def sec_ds3d(args, compile_: bool = False) -> dict:
     trainer = Trainer(cfg, run_dir, ProcessEnv.from_env(), layout, device)
     trainer.save = lambda: None  # the final save is measured in `checkpoint`, not here
     trainer.run()
+    trainer.ckpt.release_node_memory()  # a clean end, as the worker's
     trainer.close()
     recs = read_rank_records(run_dir, 0)
     stamps = [r["time"] for r in recs if r["kind"] == "step"]
@@ -503,6 +504,7 @@ def sec_checkpoint(args) -> dict:
     sync(device)
     out["pinning_s"] = time.perf_counter() - t0
     out["arena_pinned"] = ckpt.snapshot._arena is not None
+    out["arena_in_node_memory"] = ckpt.node is not None and ckpt.node.arena_path.exists()
     out["transparent_hugepage"] = _thp()
     out["steps_while_pinning"] = k
     out["step_s_while_pinning"] = out["pinning_s"] / max(k, 1)
@@ -540,6 +542,7 @@ def sec_checkpoint(args) -> dict:
                  committed=out["ds3d_time_to_committed_s"][-1], steps=k)
         if i == 0:
             ckpt.catalog.delete(step - k, force=True)
+    ckpt.release_node_memory()  # the restore section measures the restore from disk
     ckpt.close()
     if args.d2h_pinned:
         out["floor_s"] = out["state_bytes"] / (args.d2h_pinned * 1e9)
@@ -550,10 +553,11 @@ def sec_checkpoint(args) -> dict:
     return out
 
 
-def _kill_job(proc: subprocess.Popen) -> None:
+def _kill_job(proc: subprocess.Popen, run_dir: Path) -> None:
     """SIGKILLs a torchrun and every process under it, and waits until they are gone: the
     elastic agent starts its workers in sessions of their own, so killing the agent's process
-    group leaves a worker training on the GPU (it halved the next run's speed)."""
+    group leaves a worker training on the GPU (it halved the next run's speed). The killed
+    workers' arenas in node memory (the state's size, in RAM) go too."""
     def children() -> dict[int, list[int]]:
         out: dict[int, list[int]] = {}
         for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -579,6 +583,12 @@ def _kill_job(proc: subprocess.Popen) -> None:
     while time.time() < deadline and any(Path(f"/proc/{pid}").exists() and
                                          "Z" not in _proc_state(pid) for pid in tree[1:]):
         time.sleep(0.2)
+    from ds3d.checkpoints.identity import local_job_id
+    from ds3d.checkpoints.node_memory import remove_job_folder
+
+    job_id = local_job_id(run_dir)
+    if job_id:
+        remove_job_folder(job_id)
 
 
 def _proc_state(pid: int) -> str:
@@ -603,6 +613,7 @@ def _restore_phases(recs: list[dict], t0: float, log: Path) -> dict:
     init, build = first("heartbeat", phase="init"), first("heartbeat", phase="build")
     load, loaded = first("heartbeat", phase="load"), first("checkpoint", phase="loaded")
     step1 = first("step")
+    restoring = [r for r in mine if r["kind"] == "checkpoint" and r.get("phase") == "restoring"]
     verified = [line for line in log.read_text().splitlines() if "local_copy_verified" in line]
     read_s = re.search(r'"seconds": ([0-9.]+)', verified[-1]) if verified else None
     return {"total_s": step1 - t0,
@@ -614,7 +625,10 @@ def _restore_phases(recs: list[dict], t0: float, log: Path) -> dict:
                             loaded - load,
                         "first step": step1 - loaded},
             "read_and_verify_s (background, overlapped with the build)":
-                float(read_s.group(1)) if read_s else None}
+                float(read_s.group(1)) if read_s else None,
+            # "node_memory": the crashed worker's newest save, no read (node_memory.py)
+            "restored": {"step": restoring[-1]["step"], "source": restoring[-1].get("source")}
+            if restoring else None}
 
 
 def sec_restore(args) -> dict:
@@ -647,7 +661,7 @@ def sec_restore(args) -> dict:
             if reports.exists() else []
         if any(r["kind"] == "step" for r in recs):
             break
-    _kill_job(proc)
+    _kill_job(proc, run_dir)
     if not any(r["kind"] == "step" for r in recs):
         return {"error": log.read_text()[-3000:]}
     out = _restore_phases(recs, t0, log)
@@ -752,7 +766,7 @@ def _goodput_run(args, name: str, window_s: float, faults: list[tuple[float, str
             injected.append({"id": i, "kind": kind, "planned_s": at, "written_s": now - t_first,
                              "at_step": step + 2})
             progress(f"{name}: inject", kind=kind, at_step=step + 2)
-    _kill_job(proc)
+    _kill_job(proc, run_dir)
     all_recs = recs()
     if t_first is None:
         return {"error": log.read_text()[-3000:]}
@@ -1012,6 +1026,7 @@ def sec_rollback(args) -> dict:
     out["blocked_s"] = ckpt.save(engine, saved, {"iteration": saved}, saved, {"step": saved})
     held = ckpt.snapshot.held()
     out["arena_pinned"] = ckpt.snapshot._arena is not None
+    out["arena_in_node_memory"] = ckpt.node is not None and ckpt.node.arena_path.exists()
     out["transparent_hugepage"] = _thp()
     out["state_bytes"] = sum(t.numel() * t.element_size() for snap in
                              (held.files.values() if held else []) for t in _tensors_of(snap))
@@ -1044,6 +1059,7 @@ def sec_rollback(args) -> dict:
     out["memory_equals_local"] = _fingerprint(engine) == from_memory
     progress("local rollback", seconds=out["local_rollback_s"],
              equal=out["memory_equals_local"])
+    ckpt.release_node_memory()
     ckpt.close()
     shutil.rmtree(run_dir, ignore_errors=True)
     out["memory_in_step_times"] = out["memory_rollback_s"] / out["step_s"]
