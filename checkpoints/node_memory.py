@@ -21,7 +21,9 @@ No checksum is taken of the arena: the bytes never leave RAM (tmpfs, no medium t
 same DRAM/ECC the in-process rollback trusts), the only writer is this job's rank (folder mode
 0700, removed marker before any write), and a hash of ~20 GB would cost several seconds at
 every save, on the path this exists to shorten. The marker's fingerprint and the arena's inode
-and size stop a marker from being used with an arena of another start, job or layout.
+and size stop a marker from being used with an arena of another start, job or layout. (The
+marker is a pickle, as DeepSpeed's own checkpoint files are: only this user can write the
+folder.)
 
 Room: the arena goes to /dev/shm only when that is a tmpfs with free space and MemAvailable
 of at least the arena plus a margin (a container's 64 MB /dev/shm just falls back to the
@@ -38,7 +40,6 @@ same run directory, so the same job id) or a reboot.
 
 from __future__ import annotations
 
-import errno
 import mmap
 import os
 import pickle
@@ -65,6 +66,7 @@ def margin(nbytes: int) -> int:
     """Left free in the tmpfs and in MemAvailable beyond an arena of `nbytes`: 1/16 of it, at
     least 64 MiB (so a container's 64 MB /dev/shm never takes one)."""
     return max(MIN_MARGIN, nbytes // 16)
+
 
 FORMAT = 1
 _FOLDER_PREFIX = "ds3d-"
@@ -109,15 +111,6 @@ def remove_job_folder(job_id: str, root: Path | None = None) -> bool:
     return True
 
 
-def job_ids_in(root: Path | None = None) -> list[str]:
-    """The job ids with a node-memory folder under `root`."""
-    try:
-        names = os.listdir(root or default_root())
-    except OSError:
-        return []
-    return [n[len(_FOLDER_PREFIX):] for n in names if n.startswith(_FOLDER_PREFIX)]
-
-
 def no_room(nbytes: int, root: Path | None = None, reusable: int = 0) -> str | None:
     """Why an arena of `nbytes` cannot go to `root` (None: it can): `root` must be a tmpfs
     with that much free space plus `margin`, and MemAvailable must allow it too. `reusable`:
@@ -159,26 +152,28 @@ class NodeArena:
         old = self.arena_path.stat().st_size if self.arena_path.exists() else 0
         why = no_room(nbytes, self.folder.parent, reusable=old)
         if why is None:
-            self.folder.mkdir(mode=0o700, exist_ok=True)
-            self.arena_path.unlink(missing_ok=True)
-            fd = os.open(self.arena_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
-                os.posix_fallocate(fd, 0, nbytes)
-                buf = mmap.mmap(fd, nbytes, mmap.MAP_SHARED)
-                st = os.fstat(fd)
-                self._identity, self._mapped = (st.st_ino, st.st_size), buf
-                log.info("node_memory_arena", path=str(self.arena_path), bytes=nbytes)
-                return buf
-            except OSError as e:
+                return self._allocate(nbytes)
+            except OSError as e:  # e.g. the tmpfs filled meanwhile, or not ours to write
                 self.arena_path.unlink(missing_ok=True)
-                if e.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
-                    raise
                 why = f"allocating {nbytes} bytes in {self.folder.parent} failed: {e}"
-            finally:
-                os.close(fd)
         log.warning("node_memory_unavailable", reason=why, bytes=nbytes,
                     detail="the snapshot arena is anonymous memory: a crash restarts from disk")
         return None
+
+    def _allocate(self, nbytes: int) -> mmap.mmap:
+        self.folder.mkdir(mode=0o700, exist_ok=True)
+        self.arena_path.unlink(missing_ok=True)
+        fd = os.open(self.arena_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)  # every page now: a full tmpfs cannot SIGBUS a save
+            buf = mmap.mmap(fd, nbytes, mmap.MAP_SHARED)
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+        self._identity, self._mapped = (st.st_ino, st.st_size), buf
+        log.info("node_memory_arena", path=str(self.arena_path), bytes=nbytes)
+        return buf
 
     def adopt(self) -> tuple[mmap.mmap, Held] | None:
         """This rank's arena and what it holds, when its marker is valid for this rank's

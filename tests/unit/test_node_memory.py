@@ -22,7 +22,6 @@ from ds3d.checkpoints.node_memory import (
     Fingerprint,
     NodeArena,
     job_folder,
-    job_ids_in,
     no_room,
     remove_job_folder,
 )
@@ -175,9 +174,10 @@ def test_another_job_never_sees_it(shm: Path, tmp_path: Path) -> None:
     assert SnapshotCheckpointEngine(node=NodeArena(other, shm)).adopt_node_memory(
         str(tmp_path)) is None
     assert NodeArena(FP, shm).marker_path.exists()
-    assert job_ids_in(shm) == [FP.job_id]
+    assert [p.name for p in shm.iterdir()] == [job_folder(FP.job_id, shm).name]
     engine.close()
-    assert remove_job_folder(FP.job_id, shm) and job_ids_in(shm) == []
+    assert remove_job_folder(FP.job_id, shm) and list(shm.iterdir()) == []
+    assert not remove_job_folder(FP.job_id, shm)
 
 
 def test_a_marker_naming_another_arena_file_or_torn_is_ignored(shm: Path,
