@@ -230,13 +230,14 @@ class DiskWatch:
     def _store_notes(self) -> None:
         while self._unstored:
             note = self._unstored[0]
+            # the status line says it too, until the job's next transition; one transaction
+            # with the event, so a disk that fills between the two cannot repeat the diagnosis
+            still = [self._full_text(d) for d in self._short.values()]
+            status = note.message if note.cause == "disk_full" or not still else still[0]
             try:
-                self.store.record(self.name, EventKind.DIAGNOSIS, note.message, cause=note.cause,
+                self.store.record(self.name, EventKind.DIAGNOSIS, note.message, status=status,
+                                  cause=note.cause,
                                   detail={**note.detail, "detected_at": note.detected_at})
-                # the status line says it too, until the job's next transition
-                still = [self._full_text(d) for d in self._short.values()]
-                status = note.message if note.cause == "disk_full" or not still else still[0]
-                self.store.update(self.name, message=status)
             except sqlite3.OperationalError as e:
                 if not is_disk_full(e):
                     raise

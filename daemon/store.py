@@ -391,12 +391,16 @@ class Store:
                                     "message": message})
         return self.get_job(name)
 
-    def record(self, name: str, kind: EventKind, message: str, **fields: Any) -> Job:
+    def record(self, name: str, kind: EventKind, message: str, status: str | None = None,
+               **fields: Any) -> Job:
         """Stores an intent or a fact that is not a state change (a command sent, a process
-        started) as column updates plus one event, in one transaction."""
+        started) as column updates plus one event, in one transaction. `status`: the job's
+        status line (its `message` column) set in that same transaction."""
         now = time.time()
         event_fields = {k: fields.pop(k) for k in ("cause", "step", "rank", "detail")
                         if k in fields}
+        if status is not None:
+            fields["message"] = status
         with self._tx() as db:
             job = self._job_locked(db, name)
             self._update(db, name, fields)

@@ -46,6 +46,20 @@ def test_transition_writes_transition_and_event_together(store):
     assert (ev.from_state, ev.to_state) == (JobState.STARTING.value, JobState.RUNNING.value)
 
 
+def test_record_sets_the_status_line_with_its_event_or_neither(store):
+    """DiskWatch stores a diagnosis and the status line that repeats it in one call: both land
+    together, and a record that fails stores neither (no status without its event, no event
+    kept to be written again beside a status that failed)."""
+    store.create_job("a", "{}", "n1", "/x/a")
+    job = store.record("a", "diagnosis", "disk full: /x", status="disk full: /x", cause="disk_full")
+    assert job.message == "disk full: /x"
+    assert [e.message for e in store.events(job="a", kinds=["diagnosis"])] == ["disk full: /x"]
+    with pytest.raises(ValueError):
+        store.record("a", "diagnosis", "second", status="second", no_such_column=1)
+    assert store.get_job("a").message == "disk full: /x"
+    assert len(store.events(job="a", kinds=["diagnosis"])) == 1
+
+
 def test_illegal_transition_changes_nothing(store):
     store.create_job("a", "{}", "n1", "/x/a")
     before = store.events(job="a")
