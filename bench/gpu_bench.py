@@ -553,8 +553,42 @@ def sec_checkpoint(args) -> dict:
     return out
 
 
+def _launch_agent(run_dir: Path, env: dict, max_restarts: int, log: Path) -> subprocess.Popen:
+    """The job as ds3dd runs it on a node: `python -m ds3d.daemon.agent`, torch elastic's
+    LocalElasticAgent with a c10d rendezvous it hosts (as torchrun --standalone), its worker
+    forked from a forkserver that imported torch, DeepSpeed and the trainer once, so a worker
+    the agent restarts after a crash does not import them again. The agent's output goes to
+    `log`, the workers' to RUN_DIR/logs/agent (`_worker_log`)."""
+    import socket
+
+    from ds3d.daemon.launcher import RDZV_CONFIGS, AgentSpec
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    control = run_dir / "control"
+    control.mkdir(parents=True, exist_ok=True)
+    spec = control / "bench-agent.json"
+    AgentSpec(run_dir=str(run_dir), run_id=run_dir.name, min_nodes=1, max_nodes=1,
+              nproc_per_node=1, rdzv_endpoint=f"127.0.0.1:{port}",
+              rdzv_configs={**RDZV_CONFIGS, "is_host": True}, max_restarts=max_restarts,
+              log_dir=str(run_dir / "logs" / "agent"), result_file=str(control / "agent.exit"),
+              pid_file=str(control / "agent.pid"), local_addr="127.0.0.1").write(spec)
+    return subprocess.Popen([sys.executable, "-m", "ds3d.daemon.agent", "--spec", str(spec)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=log.open("w"),
+                            start_new_session=True)
+
+
+def _worker_log(run_dir: Path, agent_log: Path) -> str:
+    """The agent's output and every worker's stdout/stderr of every attempt, in that order."""
+    parts = [agent_log.read_text(errors="replace")] if agent_log.exists() else []
+    parts += [f.read_text(errors="replace")
+              for f in sorted((run_dir / "logs" / "agent").glob("**/std*.log"))]
+    return "\n".join(parts)
+
+
 def _kill_job(proc: subprocess.Popen, run_dir: Path) -> None:
-    """SIGKILLs a torchrun and every process under it, and waits until they are gone: the
+    """SIGKILLs an agent and every process under it, and waits until they are gone: the
     elastic agent starts its workers in sessions of their own, so killing the agent's process
     group leaves a worker training on the GPU (it halved the next run's speed). The killed
     workers' arenas in node memory (the state's size, in RAM) go too."""
@@ -598,7 +632,7 @@ def _proc_state(pid: int) -> str:
         return "Z"
 
 
-def _restore_phases(recs: list[dict], t0: float, log: Path) -> dict:
+def _restore_phases(recs: list[dict], t0: float, log: str) -> dict:
     """Where a restarted worker's time went, from its process start (`t0`: the launch, or the
     crash) to its first step: the newest worker's report records and its log."""
     import re
@@ -614,7 +648,7 @@ def _restore_phases(recs: list[dict], t0: float, log: Path) -> dict:
     load, loaded = first("heartbeat", phase="load"), first("checkpoint", phase="loaded")
     step1 = first("step")
     restoring = [r for r in mine if r["kind"] == "checkpoint" and r.get("phase") == "restoring"]
-    verified = [line for line in log.read_text().splitlines() if "local_copy_verified" in line]
+    verified = [line for line in log.splitlines() if "local_copy_verified" in line]
     read_s = re.search(r'"seconds": ([0-9.]+)', verified[-1]) if verified else None
     return {"total_s": step1 - t0,
             "parts_s": {"agent + rendezvous + python/torch/CUDA init": init - t0,
@@ -632,7 +666,8 @@ def _restore_phases(recs: list[dict], t0: float, log: Path) -> dict:
 
 
 def sec_restore(args) -> dict:
-    """A fresh torchrun (agent, c10d rendezvous, worker) resuming the job `checkpoint` saved."""
+    """A fresh start of ds3d's node agent (c10d rendezvous, forkserver, worker) resuming the
+    job `checkpoint` saved."""
     run_dir = Path(args.work) / "ckpt-run"
     cfg = build_cfg(args, ["checkpoint.keep_last=2"])
     store = run_dir / "store" / "bench" / "ckpt"
@@ -650,10 +685,7 @@ def sec_restore(args) -> dict:
     t0 = time.time()
     # the first step is what is measured: the process group is killed then (its final save of
     # the whole state would only lengthen the device call)
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                             "--nproc-per-node=1", "-m", "ds3d.trainer.worker", "--run-dir",
-                             str(run_dir)], env=env, stdout=subprocess.DEVNULL,
-                            stderr=log.open("w"), start_new_session=True)
+    proc = _launch_agent(run_dir, env, 0, log)
     recs: list[dict] = []
     while time.time() - t0 < 400 and proc.poll() is None:
         time.sleep(0.5)
@@ -663,8 +695,8 @@ def sec_restore(args) -> dict:
             break
     _kill_job(proc, run_dir)
     if not any(r["kind"] == "step" for r in recs):
-        return {"error": log.read_text()[-3000:]}
-    out = _restore_phases(recs, t0, log)
+        return {"error": _worker_log(run_dir, log)[-3000:]}
+    out = _restore_phases(recs, t0, _worker_log(run_dir, log))
     out["checkpoint_bytes"] = _dir_bytes(run_dir / "ckpt" / f"global_step{saved[-1]}")
     out["transparent_hugepage"] = _thp()
     # the bare floor, in the same run: one sequential read of the same files (page cache as the
@@ -710,7 +742,7 @@ QUICK_SCALE = 6  # --quick: times / 6, a save every 3 steps (a CPU smoke test of
 
 
 def _goodput_run(args, name: str, window_s: float, faults: list[tuple[float, str]]) -> dict:
-    """One job under torchrun (the elastic agent restarts a crashed worker) for `window_s` of
+    """One job under ds3d's node agent (it restarts a crashed worker) for `window_s` of
     training after its first step, faults injected through control/inject.json at their times;
     then the process group is killed. Goodput = the step reached at the window's end (after any
     rollback) over the window."""
@@ -728,11 +760,7 @@ def _goodput_run(args, name: str, window_s: float, faults: list[tuple[float, str
                DS3D_LOG_FORMAT="json")
     reports, log = run_dir / "reports" / "rank-00000.jsonl", run_dir / "worker.log"
     t_launch = time.time()
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                             "--nproc-per-node=1", "--max-restarts=3", "-m",
-                             "ds3d.trainer.worker", "--run-dir", str(run_dir)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=log.open("w"),
-                            start_new_session=True)
+    proc = _launch_agent(run_dir, env, 3, log)
 
     def recs() -> list[dict]:
         return [json.loads(line) for line in reports.read_text().splitlines()] \
@@ -769,7 +797,7 @@ def _goodput_run(args, name: str, window_s: float, faults: list[tuple[float, str
     _kill_job(proc, run_dir)
     all_recs = recs()
     if t_first is None:
-        return {"error": log.read_text()[-3000:]}
+        return {"error": _worker_log(run_dir, log)[-3000:]}
     t_end = t_first + window_s
     inside = [r for r in all_recs if r["kind"] == "step" and r["time"] <= t_end]
     first_step, last_step = inside[0]["step"], inside[-1]["step"]
@@ -805,7 +833,8 @@ def _goodput_run(args, name: str, window_s: float, faults: list[tuple[float, str
         if first_after is not None and crash is not None and crash.get("fired_s") is not None:
             out["crash_to_first_step_s"] = first_after["time"] - t_first - crash["fired_s"]
             try:  # the restarted worker's restore, timed from the crash
-                out["crash_restore"] = _restore_phases(all_recs, t_first + crash["fired_s"], log)
+                out["crash_restore"] = _restore_phases(all_recs, t_first + crash["fired_s"],
+                                                      _worker_log(run_dir, log))
                 out["transparent_hugepage"] = _thp()
             except StopIteration:
                 out["crash_restore"] = {"error": "a phase record is missing"}
