@@ -29,13 +29,23 @@ Sections:
   profile       where the step time goes: CUDA kernel time by category (torch.profiler)
   checkpoint    training-blocked time of a save: DeepSpeed's synchronous save_checkpoint vs ds3d's
                 snapshot, against the floor = state bytes / measured pinned D2H bandwidth
+  pinning       page-locking a snapshot-sized host buffer with CUDA at once against in 1 GiB
+                pieces (host_memory.register_in_pieces), beside a matmul loop: how much GPU work
+                each lets through
   restore       process start -> first step after a restart, split into its parts
+  goodput       a job under ds3d's node agent with a NaN, a crash and a spike in turn every
+                --goodput-every s over --goodput-window s, against a fault-free run of the same
+                invocation (issue 19 goal 6)
   rollback      an in-process rollback (NaN/spike) to the newest save, read from its host copy
                 (the pinned snapshot arena) 3 steps after the save, against the floor = state
                 bytes / host-to-device GB/s measured in the same section, and against reading
                 the same checkpoint back from the local tier; both loads must give bit-equal
                 weights and optimizer state. Run it alone (`--sections rollback`): it keeps one
                 checkpoint of its own on disk and deletes it at the end
+
+The restore and goodput sections start ds3d's node agent (`python -m ds3d.daemon.agent`), so
+the ds3d package must be importable with its daemon (and `setproctitle` installed), not only
+the trainer and checkpoints.
 
 MFU counts (6 N T + 12 L d s T) FLOPs per step (T tokens, s sequence length; attention's
 score and value matmuls, forward and backward) against 989 TFLOP/s (H100/H200 dense bf16
