@@ -219,7 +219,8 @@ def test_lost_node_job_finishes_on_the_others_with_a_reshape(tmp_path):
         recovered = [e for e in events if e["kind"] == "recovered"]
         assert [e["cause"] for e in recovered] == ["node_lost"], events
         assert re.search(r"noticed [\d.]+ s after the last step \(agent\), training again "
-                         r"[\d.]+ s later from step \d+; \d+ step\(s\) trained again",
+                         r"[\d.]+ s later from step \d+ \(read from (local|store)\); "
+                         r"\d+ step\(s\) trained again",
                          recovered[0]["message"]), recovered[0]["message"]
         head_dir = Path(done["run_dir"])
         reshaped = [r["detail"] for r in rank0_records(head_dir, "checkpoint")
