@@ -571,7 +571,7 @@ def _launch_agent(run_dir: Path, env: dict, max_restarts: int, log: Path) -> sub
     `log`, the workers' to RUN_DIR/logs/agent (`_worker_log`)."""
     import socket
 
-    from ds3d.daemon.launcher import RDZV_CONFIGS, AgentSpec
+    from ds3d.daemon.launcher import AgentSpec
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -579,11 +579,7 @@ def _launch_agent(run_dir: Path, env: dict, max_restarts: int, log: Path) -> sub
     control = run_dir / "control"
     control.mkdir(parents=True, exist_ok=True)
     spec = control / "bench-agent.json"
-    AgentSpec(run_dir=str(run_dir), run_id=run_dir.name, min_nodes=1, max_nodes=1,
-              nproc_per_node=1, rdzv_endpoint=f"127.0.0.1:{port}",
-              rdzv_configs={**RDZV_CONFIGS, "is_host": True}, max_restarts=max_restarts,
-              log_dir=str(run_dir / "logs" / "agent"), result_file=str(control / "agent.exit"),
-              pid_file=str(control / "agent.pid"), local_addr="127.0.0.1").write(spec)
+    AgentSpec.standalone(run_dir, 1, port, max_restarts, "agent").write(spec)
     return subprocess.Popen([sys.executable, "-m", "ds3d.daemon.agent", "--spec", str(spec)],
                             env=env, stdout=subprocess.DEVNULL, stderr=log.open("w"),
                             start_new_session=True)

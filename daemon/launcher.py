@@ -84,6 +84,23 @@ class AgentSpec(BaseModel):
                                        "TORCH_EXTENSIONS_DIR, seeded from warm_extensions_dir")
     warm_extensions_dir: str | None = None
 
+    @classmethod
+    def standalone(cls, run_dir: Path, nproc_per_node: int, port: int, max_restarts: int,
+                   name: str, worker_args: list[str] | None = None,
+                   extensions_dir: str | None = None,
+                   warm_extensions_dir: str | None = None) -> AgentSpec:
+        """A one-node job without a daemon (a test or a benchmark), as `torchrun --standalone`:
+        the agent hosts the c10d rendezvous on loopback `port`; its workers' logs go to
+        RUN_DIR/logs/`name`, its exit code and pid to RUN_DIR/control/`name`-agent.exit/.pid."""
+        control = run_dir / "control"
+        return cls(run_dir=str(run_dir), run_id=run_dir.name, min_nodes=1, max_nodes=1,
+                   nproc_per_node=nproc_per_node, rdzv_endpoint=f"127.0.0.1:{port}",
+                   rdzv_configs={**RDZV_CONFIGS, "is_host": True}, max_restarts=max_restarts,
+                   worker_args=worker_args or [], log_dir=str(run_dir / "logs" / name),
+                   result_file=str(control / f"{name}-agent.exit"),
+                   pid_file=str(control / f"{name}-agent.pid"), local_addr="127.0.0.1",
+                   extensions_dir=extensions_dir, warm_extensions_dir=warm_extensions_dir)
+
     def write(self, path: Path) -> None:
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(self.model_dump_json(indent=2))

@@ -29,7 +29,7 @@ def torchrun(run_dir: Path, nproc: int, config: str = "tiny", sets: list[str] | 
     the trainer once (a 4-rank start is a fork, not ~16 CPU-s of imports). The agent restarts
     a failed group up to `max_restarts` times, as `torchrun --max-restarts`. The agent's output
     and every worker's stdout/stderr are gathered in RUN_DIR/torchrun.log."""
-    from ds3d.daemon.launcher import RDZV_CONFIGS, AgentSpec
+    from ds3d.daemon.launcher import AgentSpec
 
     from fixtures.s3 import free_port
 
@@ -39,16 +39,13 @@ def torchrun(run_dir: Path, nproc: int, config: str = "tiny", sets: list[str] | 
     logs = run_dir / "logs" / "torchrun"
     spec_file = control / "torchrun-agent.json"
     for attempt in range(3):
-        AgentSpec(run_dir=str(run_dir), run_id=run_dir.name, min_nodes=1, max_nodes=1,
-                  nproc_per_node=nproc, rdzv_endpoint=f"127.0.0.1:{free_port()}",
-                  rdzv_configs={**RDZV_CONFIGS, "is_host": True}, max_restarts=max_restarts,
-                  worker_args=args, log_dir=str(logs),
-                  result_file=str(control / "torchrun-agent.exit"),
-                  pid_file=str(control / "torchrun-agent.pid"), local_addr="127.0.0.1",
-                  # the job's own op build folder, seeded from the warm cache (as ds3dd does):
-                  # a worker killed in one test while it loads an op leaves no lock for others
-                  extensions_dir=str(run_dir / "torch_extensions"),
-                  warm_extensions_dir=os.environ.get("TORCH_EXTENSIONS_DIR")).write(spec_file)
+        AgentSpec.standalone(run_dir, nproc, free_port(), max_restarts, "torchrun",
+                             worker_args=args,
+                             # the job's own op build folder, seeded from the warm cache (as
+                             # ds3dd does): a worker killed in one test while it loads an op
+                             # leaves no lock for others
+                             extensions_dir=str(run_dir / "torch_extensions"),
+                             warm_extensions_dir=os.environ.get("TORCH_EXTENSIONS_DIR")).write(spec_file)
         proc = subprocess.run([sys.executable, "-m", "ds3d.daemon.agent", "--spec",
                                str(spec_file)],
                               env=worker_env(DS3D_RUN_DIR=str(run_dir), **(env or {})),
