@@ -70,6 +70,7 @@ def margin(nbytes: int) -> int:
 
 FORMAT = 1
 _FOLDER_PREFIX = "ds3d-"
+MAX_SLOTS = 2  # arena slots per rank: one, or two with memory-only snapshots (snapshot.py)
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,7 @@ class Held:
     step: int
     meta: str  # the save's CheckpointMeta as JSON (engine_io reads it)
     files: dict[str, Any]  # file name (DeepSpeed's) -> its state
+    durable: bool = True  # its files were written too (False: a memory-only snapshot)
 
 
 def job_folder(job_id: str, root: Path | None = None) -> Path:
@@ -134,13 +136,19 @@ def no_room(nbytes: int, root: Path | None = None, reusable: int = 0) -> str | N
 
 
 class NodeArena:
-    """One rank's arena file and validity marker in its job's folder."""
+    """One rank's arena file and validity marker in its job's folder, of one arena slot:
+    slot 0 is `rank-<R>.arena` / `.held`, slot k > 0 `rank-<R>-<k>.arena` / `.held` (the
+    second slot of memory-only snapshots, snapshot.py)."""
 
-    def __init__(self, fingerprint: Fingerprint, root: Path | None = None) -> None:
-        self.fingerprint = fingerprint
+    def __init__(self, fingerprint: Fingerprint, root: Path | None = None,
+                 slot: int = 0) -> None:
+        if not 0 <= slot < MAX_SLOTS:
+            raise ValueError(f"arena slot {slot} is not in 0..{MAX_SLOTS - 1}")
+        self.fingerprint, self.slot = fingerprint, slot
         self.folder = job_folder(fingerprint.job_id, root)
-        self.arena_path = self.folder / f"rank-{fingerprint.rank:05d}.arena"
-        self.marker_path = self.folder / f"rank-{fingerprint.rank:05d}.held"
+        name = f"rank-{fingerprint.rank:05d}" + (f"-{slot}" if slot else "")
+        self.arena_path = self.folder / f"{name}.arena"
+        self.marker_path = self.folder / f"{name}.held"
         self._identity: tuple[int, int] | None = None  # (inode, size) of the mapped arena
         self._mapped: mmap.mmap | None = None  # that mapping (made or adopted here)
 
@@ -206,19 +214,26 @@ class NodeArena:
             self.forget()
             return None
         self._identity, self._mapped = (st.st_ino, st.st_size), buf
-        return buf, Held(str(header["tag"]), int(header["step"]), str(header["meta"]), files)
+        return buf, Held(str(header["tag"]), int(header["step"]), str(header["meta"]), files,
+                         bool(header.get("durable", True)))
+
+    def for_slot(self, slot: int) -> NodeArena:
+        """This rank's arena of another slot, in the same folder."""
+        return NodeArena(self.fingerprint, self.folder.parent, slot)
 
     def mark(self, tag: str, step: int, meta: str, files: dict[str, Any],
-             arena: mmap.mmap) -> bool:
+             arena: mmap.mmap, durable: bool = True) -> bool:
         """Writes the marker for a save whose host copies are complete: `files` (name ->
         state) must hold only tensors carved from `arena`; False, and no marker, otherwise
-        (a tensor the arena had no room for lives in this process only)."""
+        (a tensor the arena had no room for lives in this process only). `durable`: the
+        save's files are being written too (False: a memory-only snapshot)."""
         if self._identity is None or arena is not self._mapped:
             return False
         base = _address(arena)
         tmp = self.marker_path.with_name(self.marker_path.name + f".tmp{os.getpid()}")
         header = {"format": FORMAT, "fingerprint": asdict(self.fingerprint), "tag": tag,
-                  "step": step, "meta": meta, "arena": list(self._identity)}
+                  "step": step, "meta": meta, "arena": list(self._identity),
+                  "durable": durable}
         try:
             with open(tmp, "wb") as fh:
                 pickle.dump(header, fh, protocol=pickle.HIGHEST_PROTOCOL)
@@ -251,8 +266,14 @@ class NodeArena:
         except OSError:
             pass  # other ranks' files still there, or gone already
 
+    def remove_slots_from(self, slots: int) -> None:
+        """Removes this rank's files of arena slots >= `slots` (a start that uses fewer)."""
+        for slot in range(max(slots, 0), MAX_SLOTS):
+            self.for_slot(slot).remove()
+
     def remove_ranks_from(self, world_size: int) -> None:
-        """Removes the files of ranks >= `world_size` (a start with a smaller world)."""
+        """Removes the files of ranks >= `world_size` (a start with a smaller world), every
+        slot's."""
         for path in self.folder.glob("rank-*"):
             try:
                 rank = int(path.name[5:10])

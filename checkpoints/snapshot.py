@@ -67,7 +67,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -100,10 +100,30 @@ FailedCallback = Callable[[str, list[str], Shortage, str], None]
 
 @dataclass(frozen=True)
 class HeldSnapshot:
-    """The newest save's host copy: each file's path (as DeepSpeed named it) -> its state."""
+    """A save's host copy: each file's path (as DeepSpeed named it) -> its state."""
 
     tag: str  # DeepSpeed's tag, the folder name its files live in
     files: dict[str, Any]
+    step: int = -1  # as `describe_next_save` named it (-1: not described)
+    meta: str = ""  # the save's manifest metadata (JSON), as described
+    durable: bool = True  # its files were queued for the local tier (False: memory-only)
+
+
+@dataclass(eq=False)
+class _Slot:
+    """One host arena and the snapshot held in it. The writer thread reads a slot's buffers
+    from a durable save's commit until its files are written (`writing`); nothing else does."""
+
+    node: NodeArena | None  # its arena file in node memory, where kept
+    arena: mmap.mmap | None = None  # host memory its snapshots are carved from
+    pieces: list[int] = field(default_factory=list)  # registered (pinned) pieces' addresses
+    used: int = 0
+    buffers: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
+    held: HeldSnapshot | None = None  # its snapshot, while intact
+    order: int = -1  # when that snapshot was made (larger: newer; -1: none)
+    writing: bool = False  # a durable save's files are being written from it
+    adopted: bool = False  # the arena was mapped back from node memory
+    refused: bool = False  # its reservation failed: per-tensor buffers
 
 
 @dataclass(frozen=True)
@@ -119,11 +139,15 @@ class _Serving:
 class SnapshotCheckpointEngine(CheckpointEngine):
     def __init__(self, on_durable: DurableCallback | None = None,
                  on_failed: FailedCallback | None = None,
-                 hash_while_writing: bool = True, node: NodeArena | None = None) -> None:
+                 hash_while_writing: bool = True, node: NodeArena | None = None,
+                 slots: int = 1) -> None:
         """`hash_while_writing=False`: files are written plain and the uploader hashes them
         by reading them back (the path before hashing_writer.py; the benchmark's baseline).
         `node`: keep the arena in node memory (/dev/shm) where there is room, so the newest
-        save's host copy survives a crash of this process."""
+        save's host copy survives a crash of this process. `slots`: 2 for memory-only
+        snapshots (`memory_only`), which then never wait for the writer."""
+        if slots not in (1, 2):
+            raise ValueError(f"an engine has 1 or 2 arena slots, not {slots}")
         super().__init__()
         self.name = "ds3d-snapshot"
         self.on_durable = on_durable
@@ -132,20 +156,18 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         self._written: dict[str, WrittenFile] = {}  # writer thread: files written, by path
         self._durable: tuple[str, WrittenSave] | None = None  # the tag on_durable is called for
         self._jobs: queue.Queue[tuple[str, Any, Any]] = queue.Queue()
-        self._buffers: dict[tuple[str, int], torch.Tensor] = {}
+        self._slots = [_Slot(node.for_slot(i) if node is not None else None)
+                       for i in range(slots)]
+        self._slot = 0  # the slot the current (or last) save copies into
+        self._made = 0  # saves committed so far: each held snapshot's `order`
+        self._memory_only = False  # the save under way is memory-only (`memory_only`)
         self._staged: list[tuple[Any, str, int]] = []  # (host copy, path, its tensor bytes)
         self._full: dict[str, BaseException] = {}  # writer thread: tags whose disk was full
         self._error: BaseException | None = None
-        self._arena: mmap.mmap | None = None  # host memory the snapshots are carved from
-        self._arena_pieces: list[int] = []  # its pieces' addresses, registered (pinned) with CUDA
         self._pin_piece = PIN_PIECE_BYTES
-        self._arena_used = 0
         self._arena_thread: threading.Thread | None = None
         self._device_copies = False  # the last save copied from the GPU (asynchronously)
-        self._node = node
-        self._arena_adopted = False  # the arena was mapped back from node memory
         self._next_save: tuple[int, str] | None = None  # (step, meta) the marker will name
-        self._held: HeldSnapshot | None = None  # the newest save's copy, while it is intact
         self._serving: _Serving | None = None  # loads read the held copy (a memory rollback)
         self._served_files: dict[str, memoryview] = {}  # loads read these verified bytes
         self.copy_seconds = 0.0  # time of the last save's host copies (the blocked part)
@@ -154,11 +176,42 @@ class SnapshotCheckpointEngine(CheckpointEngine):
 
     # -- DeepSpeed's interface (training thread) -----------------------------------------------
 
+    # the current slot's arena, for callers that know one (benchmarks, tests)
+    @property
+    def _arena(self) -> mmap.mmap | None:
+        return self._slots[self._slot].arena
+
+    @property
+    def _arena_pieces(self) -> list[int]:
+        return self._slots[self._slot].pieces
+
+    @_arena_pieces.setter
+    def _arena_pieces(self, pieces: list[int]) -> None:
+        self._slots[self._slot].pieces = pieces
+
+    @property
+    def _arena_used(self) -> int:
+        return self._slots[self._slot].used
+
+    @property
+    def _buffers(self) -> dict[tuple[str, int], torch.Tensor]:
+        return self._slots[self._slot].buffers
+
+    @_buffers.setter
+    def _buffers(self, buffers: dict[tuple[str, int], torch.Tensor]) -> None:
+        self._slots[self._slot].buffers = buffers
+
     def create(self, info: CheckpointCommitInfo) -> None:
-        self._held = None  # this save reuses the buffers: the previous copy is going away
-        self.wait()  # the previous snapshot's buffers are free again
-        if self._node is not None:
-            self._node.forget()  # before the first byte of this save lands in the arena
+        if self._memory_only and len(self._slots) > 1:
+            free = [s for s in self._slots if not s.writing]  # never waits for the writer
+        else:
+            self.wait()  # durable saves are serialised: the previous one's buffers are free
+            free = self._slots
+        slot = min(free, key=lambda s: s.order)  # the older snapshot goes, the newer stays
+        self._slot = self._slots.index(slot)
+        # this save reuses the slot's buffers: its copy is going away, and its marker goes
+        # before the first byte of this save lands in the arena
+        self._forget(slot)
         self._raise_pending_error()
         self._staged = []
         self.copy_seconds = 0.0
@@ -185,23 +238,34 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         return torch.load(path, map_location=map_location, weights_only=False)
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
-        paths = [path for _, path, _ in self._staged]
-        needed = sum(nbytes for _, _, nbytes in self._staged)
-        self._held = HeldSnapshot(info.tag, {os.path.normpath(path): snapshot
-                                             for snapshot, path, _ in self._staged}) \
-            if self._staged else None
-        self._mark_node_memory(info.tag)
-        for snapshot, path, _ in self._staged:
+        slot, staged, self._staged = self._slots[self._slot], self._staged, []
+        described, self._next_save = self._next_save, None
+        step, meta = described if described is not None else (-1, "")
+        durable = not self._memory_only
+        if staged:
+            self._made += 1
+            slot.order = self._made
+            slot.held = HeldSnapshot(info.tag, {os.path.normpath(path): snapshot
+                                                for snapshot, path, _ in staged},
+                                     step, meta, durable)
+            if described is not None:
+                self._mark_node_memory(slot, info.tag, step, meta, durable)
+        if not durable:
+            return True  # held only: nothing for the writer
+        paths = [path for _, path, _ in staged]
+        needed = sum(nbytes for _, _, nbytes in staged)
+        slot.writing = True
+        for snapshot, path, _ in staged:
             self._jobs.put(("write", snapshot, path))
-        self._staged = []
-        self._jobs.put(("commit", info.tag, (paths, needed, time.monotonic())))
+        self._jobs.put(("commit", info.tag, (paths, needed, time.monotonic(), slot)))
         return True
 
     def preserves_storage_sharing(self) -> bool:
         return False  # each tensor is copied alone, as DeepSpeed's clone-before-save does
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
-        os.makedirs(path, exist_ok=exist_ok)
+        if not self._memory_only:  # a memory-only snapshot has no folder
+            os.makedirs(path, exist_ok=exist_ok)
 
     # -- ours -----------------------------------------------------------------------------------
 
@@ -213,28 +277,36 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         would round 20 GB up to the next power of two."""
         if self._arena_thread is not None or nbytes <= 0 or (pin and not torch.cuda.is_available()):
             return
-        adopted = self._arena if self._arena_adopted else None
 
         def reserve() -> None:
-            arena = adopted
-            if arena is None and self._node is not None:
-                arena = self._node.create(nbytes)
-            if arena is None:
-                arena = anonymous_buffer(nbytes)
-            address = ctypes.addressof(ctypes.c_char.from_buffer(arena))
-            pieces = register_in_pieces(address, len(arena), self._pin_piece) if pin else []
-            if pieces is not None:
-                self._arena, self._arena_pieces = arena, pieces
-            elif adopted is None:  # host memory short or locked-memory limit: pin per tensor
-                self._arena_thread = None
-                if self._node is not None and self._node.owns(arena):
-                    log.warning("node_memory_unavailable", reason="cudaHostRegister refused "
-                                "the arena", detail="per-tensor pinned buffers: a crash "
-                                "restarts from disk")
-                    self._node.remove()
+            for slot in self._slots:  # one arena of `nbytes` per slot
+                self._reserve(slot, nbytes, pin)
+            if all(slot.arena is None for slot in self._slots):
+                self._arena_thread = None  # per-tensor buffers; a later call may try again
 
         self._arena_thread = threading.Thread(target=reserve, name="ckpt-pin", daemon=True)
         self._arena_thread.start()
+
+    def _reserve(self, slot: _Slot, nbytes: int, pin: bool) -> None:
+        """The reservation thread: `slot`'s arena (its adopted one, else a node memory file,
+        else anonymous memory), registered with CUDA when `pin`."""
+        adopted = slot.arena if slot.adopted else None
+        arena = adopted
+        if arena is None and slot.node is not None:
+            arena = slot.node.create(nbytes)
+        if arena is None:
+            arena = anonymous_buffer(nbytes)
+        address = ctypes.addressof(ctypes.c_char.from_buffer(arena))
+        pieces = register_in_pieces(address, len(arena), self._pin_piece) if pin else []
+        if pieces is not None:
+            slot.arena, slot.pieces = arena, pieces
+        elif adopted is None:  # host memory short or locked-memory limit: pin per tensor
+            slot.refused = True
+            if slot.node is not None and slot.node.owns(arena):
+                log.warning("node_memory_unavailable", reason="cudaHostRegister refused "
+                            "the arena", slot=slot.node.slot, detail="per-tensor pinned "
+                            "buffers: a crash restarts from disk")
+                slot.node.remove()
 
     def wait_arena(self) -> None:
         """Blocks until the arena's reservation (and registration) has finished."""
@@ -248,56 +320,97 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         names becomes `held()` (its files under `local_dir`/tag) and the arena this process's
         (registered with CUDA by the next `reserve_pinned`). Returns the held (step, meta
         JSON), or None when nothing usable is held."""
-        if self._node is None or self._arena is not None:
-            return None
-        got = self._node.adopt()
-        if got is None:
-            return None
-        arena, held = got
-        self._arena, self._arena_adopted = arena, True
-        self._held = HeldSnapshot(held.tag, {
-            os.path.normpath(os.path.join(local_dir, held.tag, name)): state
-            for name, state in held.files.items()})
-        return held.step, held.meta
+        adopted: list[tuple[_Slot, Any]] = []
+        for slot in self._slots:
+            if slot.node is None or slot.arena is not None:
+                continue
+            got = slot.node.adopt()
+            if got is not None:
+                slot.arena, slot.adopted = got[0], True
+                adopted.append((slot, got[1]))
+        for slot, held in sorted(adopted, key=lambda a: a[1].step):  # older first
+            self._made += 1
+            slot.order = self._made
+            slot.held = HeldSnapshot(held.tag, {
+                os.path.normpath(os.path.join(local_dir, held.tag, name)): state
+                for name, state in held.files.items()}, held.step, held.meta, held.durable)
+        newest = self.held()
+        return None if newest is None else (newest.step, newest.meta)
 
     @property
     def arena_adopted(self) -> bool:
-        """The arena was mapped back from node memory (`adopt_node_memory`)."""
-        return self._arena_adopted
+        """An arena was mapped back from node memory (`adopt_node_memory`)."""
+        return any(slot.adopted for slot in self._slots)
+
+    @property
+    def slots(self) -> int:
+        """Arena slots: 2 when memory-only snapshots are on."""
+        return len(self._slots)
+
+    def limit_slots(self, slots: int) -> None:
+        """Before the first save and the arena's reservation: keeps only the first `slots`
+        slots; the others' snapshots and node memory files go."""
+        for slot in self._slots[slots:]:
+            self._forget(slot)
+            if slot.node is not None:
+                slot.node.remove()
+        self._slots = self._slots[:max(slots, 1)]
+        self._slot = min(self._slot, len(self._slots) - 1)
+
+    @contextmanager
+    def memory_only(self) -> Iterator[None]:
+        """While open, a save (DeepSpeed's `save_checkpoint`) is a memory-only snapshot: it
+        is copied into the slot the writer is not reading from, never waiting for the writer
+        (overwriting the older memory-only snapshot there), held in memory (and in node
+        memory, with its marker) like any save, but no folder is made and nothing is written
+        or handed to `on_durable`."""
+        if len(self._slots) < 2:
+            raise CheckpointError("memory-only snapshots need an engine with two arena slots")
+        self._memory_only = True
+        try:
+            yield
+        finally:
+            self._memory_only = False
 
     def describe_next_save(self, step: int, meta: str) -> None:
         """The step and manifest metadata (JSON) of the save about to be made, for its node
         memory marker."""
         self._next_save = (step, meta)
 
-    def forget_held(self, unless_tag: str | None = None) -> None:
-        """Forgets the held snapshot, and its node memory marker, unless it is `unless_tag`'s:
-        a restore or rollback to another state abandons it (a restart must never come back
-        to it)."""
-        held = self._held
-        if held is not None and held.tag == unless_tag:
-            return
-        self._held = None
-        if self._node is not None:
-            self._node.forget()
+    def forget_held(self, unless_tag: str | None = None, older_kept: int | None = None) -> None:
+        """Forgets the held snapshots, and their node memory markers, but `unless_tag`'s and,
+        when `older_kept` is given, those of a step below it (the restored state's past): a
+        restore or rollback to another state abandons them (a restart must never come back
+        to them)."""
+        for slot in self._slots:
+            held = slot.held
+            if held is not None and (held.tag == unless_tag or (
+                    older_kept is not None and 0 <= held.step < older_kept)):
+                continue
+            self._forget(slot)
+
+    def _forget(self, slot: _Slot) -> None:
+        slot.held, slot.order = None, -1
+        if slot.node is not None:
+            slot.node.forget()
 
     def release_node_memory(self) -> None:
         """A clean exit: this rank's node memory files go (nothing will restart from them);
-        the mapping stays valid until the arena is closed."""
-        if self._node is not None:
-            self._node.remove()
+        the mappings stay valid until the arenas are closed."""
+        for slot in self._slots:
+            if slot.node is not None:
+                slot.node.remove()
 
-    def _mark_node_memory(self, tag: str) -> None:
-        """Writes the node memory marker of the save just committed: its copies are complete
-        (`save` synchronised the device after each file's), and every tensor lies in the
-        arena (else no marker: a copy outside it dies with this process)."""
-        described, self._next_save = self._next_save, None
-        if self._node is None or self._held is None or self._arena is None \
-                or described is None:
+    def _mark_node_memory(self, slot: _Slot, tag: str, step: int, meta: str,
+                          durable: bool) -> None:
+        """Writes the node memory marker of the save just committed into `slot`: its copies
+        are complete (`save` synchronised the device after each file's), and every tensor lies
+        in the arena (else no marker: a copy outside it dies with this process)."""
+        if slot.node is None or slot.held is None or slot.arena is None:
             return
-        step, meta = described
-        self._node.mark(tag, step, meta, {os.path.basename(p): state
-                                          for p, state in self._held.files.items()}, self._arena)
+        slot.node.mark(tag, step, meta, {os.path.basename(p): state
+                                         for p, state in slot.held.files.items()}, slot.arena,
+                       durable)
 
     def written(self, tag: str) -> WrittenSave | None:
         """Inside `on_durable(tag, ...)` (writer thread): the hashes of the tag's files taken
@@ -305,21 +418,29 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         durable = self._durable
         return durable[1] if durable is not None and durable[0] == tag else None
 
-    def held(self) -> HeldSnapshot | None:
-        """The newest save's host copy, or None once a later save has begun (or none was
-        made in this process)."""
-        return self._held
+    def held(self, tag: str | None = None) -> HeldSnapshot | None:
+        """The newest held snapshot (of `tag`, when given), or None: none was made in this
+        process, or later saves have begun reusing its slot."""
+        found = [s for s in self._slots if s.held is not None
+                 and (tag is None or s.held.tag == tag)]
+        return max(found, key=lambda s: s.order).held if found else None
 
-    def held_skeleton(self) -> dict[str, Any]:
-        """Each held file's name -> its state with every tensor a meta tensor (shape and dtype,
-        no data): what another rank needs to list and check this rank's files."""
-        held = self._held
+    def held_snapshots(self) -> list[HeldSnapshot]:
+        """Every held snapshot, newest first (one per arena slot at most)."""
+        return [s.held for s in sorted(self._slots, key=lambda s: -s.order)
+                if s.held is not None]
+
+    def held_skeleton(self, tag: str | None = None) -> dict[str, Any]:
+        """Each file's name of the held snapshot (`held(tag)`) -> its state with every tensor
+        a meta tensor (shape and dtype, no data): what another rank needs to list and check
+        this rank's files."""
+        held = self.held(tag)
         return {} if held is None else {os.path.basename(p): _skeleton(snap)
                                         for p, snap in held.files.items()}
 
     @contextmanager
-    def serving_held(self, others: dict[str, Any],
-                     device: torch.device | None = None) -> Iterator[str]:
+    def serving_held(self, others: dict[str, Any], device: torch.device | None = None,
+                     tag: str | None = None) -> Iterator[str]:
         """Yields a folder to give DeepSpeed's `load_checkpoint` as its load_dir: it holds the
         held tag's folder with an empty stand-in file for each of this rank's files and each
         name in `others` (the other ranks' `held_skeleton()`), so DeepSpeed's listing (glob)
@@ -335,8 +456,9 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         copied straight onto it (from the pinned arena, at full bandwidth) rather than into new
         host memory that DeepSpeed would then copy up at pageable speed; the bytes are the
         same, and DeepSpeed copies every such tensor into its own device state anyway. Small
-        ones (torch's non-fused Adam keeps its step counters on the CPU) stay on the host."""
-        held = self._held
+        ones (torch's non-fused Adam keeps its step counters on the CPU) stay on the host.
+        `tag`: serve that held snapshot (default: the newest)."""
+        held = self.held(tag)
         if held is None:
             raise CheckpointError("no checkpoint is held in host memory (a later save has begun "
                                   "reusing its buffers); roll back from the local tier")
@@ -363,9 +485,20 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         finally:
             self._served_files = {}
 
+    def memory_slot_ready(self) -> bool:
+        """A memory-only snapshot now would copy into a reserved arena: not into new pageable
+        memory (a whole state's worth, at a third of the speed) while the arenas are still
+        being reserved and pinned."""
+        if self._arena_thread is None:
+            return True
+        free = [s for s in self._slots if not s.writing] or self._slots
+        slot = min(free, key=lambda s: s.order)
+        return slot.arena is not None or slot.refused
+
     def arena_ready(self) -> bool:
         """No arena is being reserved any more (or none was asked for)."""
-        return self._arena_thread is None or self._arena is not None
+        return self._arena_thread is None or all(slot.arena is not None or slot.refused
+                                                  for slot in self._slots)
 
     def busy(self) -> bool:
         """Writes or a commit still queued or running."""
@@ -379,10 +512,11 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         self.wait()
         self._jobs.put(("stop", None, None))
         self._thread.join(timeout=60)
-        if self._arena is not None:
-            self._buffers = {}  # the arena's views go first (mmap refuses to close under them)
-            unregister_pieces(self._arena_pieces)
-            self._arena, self._arena_pieces = None, []
+        for slot in self._slots:
+            if slot.arena is not None:
+                slot.buffers = {}  # the arena's views go first (mmap refuses to close under them)
+                unregister_pieces(slot.pieces)
+                slot.arena, slot.pieces = None, []
         self._raise_pending_error()
 
     def _raise_pending_error(self) -> None:
@@ -445,12 +579,15 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         registrations may be staged like pageable memory."""
         host = dst if dst.device.type == "cpu" else src
         ranges: list[tuple[int, int]] = []
-        if self._arena is not None and self._arena_pieces and host.is_contiguous() \
-                and dst.is_contiguous() and src.is_contiguous():
-            offset = host.data_ptr() - self._arena_pieces[0]
+        if host.is_contiguous() and dst.is_contiguous() and src.is_contiguous():
             nbytes = host.numel() * host.element_size()
-            if 0 <= offset and offset + nbytes <= len(self._arena):
-                ranges = piece_ranges(offset, nbytes, host.element_size(), self._pin_piece)
+            for slot in self._slots:  # the arena the host side lies in, if any
+                if slot.arena is None or not slot.pieces:
+                    continue
+                offset = host.data_ptr() - slot.pieces[0]
+                if 0 <= offset and offset + nbytes <= len(slot.arena):
+                    ranges = piece_ranges(offset, nbytes, host.element_size(), self._pin_piece)
+                    break
         if len(ranges) <= 1:
             dst.copy_(src, non_blocking=True)
             return
@@ -461,25 +598,28 @@ class SnapshotCheckpointEngine(CheckpointEngine):
     def _new_buffer(self, t: torch.Tensor) -> torch.Tensor | None:
         """A host buffer for `t`: carved from the arena when one was asked for (None while it
         is still being reserved), else (or when the estimate was short) one of its own."""
-        if self._arena_thread is not None or self._arena is not None:
-            if self._arena is None:
-                return None
+        slot = self._slots[self._slot]
+        if slot.arena is not None:
             carved = self._carve(t)
             if carved is not None:
                 return carved
+        elif self._arena_thread is not None and not slot.refused:
+            return None
         return torch.empty(t.shape, dtype=t.dtype, device="cpu",
                            pin_memory=t.device.type == "cuda")
 
     def _carve(self, t: torch.Tensor) -> torch.Tensor | None:
-        assert self._arena is not None
+        """`t`'s buffer carved from the current slot's arena (None: no room left)."""
+        slot = self._slots[self._slot]
+        assert slot.arena is not None
         nbytes = t.numel() * t.element_size()
-        start = -(-self._arena_used // 256) * 256  # aligned for every dtype and fast DMA
-        if nbytes == 0 or start + nbytes > len(self._arena):
+        start = -(-slot.used // 256) * 256  # aligned for every dtype and fast DMA
+        if nbytes == 0 or start + nbytes > len(slot.arena):
             return None
-        self._arena_used = start + nbytes
+        slot.used = start + nbytes
         # a tensor of its own storage over just these bytes: torch.save writes a view's whole
         # storage, and refuses one storage viewed as several dtypes
-        return torch.frombuffer(self._arena, dtype=t.dtype, count=t.numel(),
+        return torch.frombuffer(slot.arena, dtype=t.dtype, count=t.numel(),
                                 offset=start).view(t.shape)
 
     # -- writer thread --------------------------------------------------------------------------
@@ -493,10 +633,12 @@ class SnapshotCheckpointEngine(CheckpointEngine):
                 if kind == "write":
                     self._write(a, b)
                 elif kind == "commit":
-                    self._commit(a, *b)
+                    self._commit(a, *b[:3])
             except BaseException as e:  # surfaced on the next save or at close
                 self._error = e
             finally:
+                if kind == "commit":
+                    b[3].writing = False  # its slot's buffers are free for any save again
                 self._jobs.task_done()
 
 
@@ -601,7 +743,8 @@ def _tmp_name(path: str) -> str:
 
 def _stable_ranges(obj: Any) -> list[tuple[int, int]]:
     """(address, bytes) of the storages of every tensor in a snapshot: host memory no one
-    writes while the writer thread serialises it (the next save's `create` waits for it)."""
+    writes while the writer thread serialises it (the next durable save's `create` waits for
+    it, a memory-only snapshot copies into the other slot)."""
     out = []
     for t in _tensors(obj):
         if t.device.type == "cpu":
