@@ -43,10 +43,10 @@ from .local_complete import agree_local_step, read_record
 from .manifest import CheckpointMeta, Layout, Manifest, manifest_from_entries
 from .node_memory import Fingerprint, NodeArena, no_room
 from .read_ahead import ReadAhead, ReadResult
-from .recovery_scripts import copy_recovery_scripts_once
+from .recovery_scripts import copy_recovery_scripts_once, recovery_scripts_skipped
 from .reshape import check_reshapable, convert_to_universal, needs_reshape
 from .settings import CheckpointSettings
-from .snapshot import SnapshotCheckpointEngine
+from .snapshot import HeldSnapshot, SnapshotCheckpointEngine
 from .storage import Storage, job_store_url, open_storage
 from .upload import Uploader, UploadEvent
 
@@ -77,6 +77,9 @@ class RestorePlan:
     buffers: dict[str, memoryview] = field(default_factory=dict, compare=False)
     # steps whose local copy failed its hashes in this restore (never planned again)
     excluded: frozenset[int] = frozenset()
+    # "memory", "node_memory": the state is a memory-only snapshot (no checkpoint of its step
+    # was written; a save of that step is still to be made)
+    memory_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -117,13 +120,24 @@ class CheckpointManager:
         self.uploader = Uploader(self.storage, self.local_dir, me.rank, me.world_size,
                                  on_event=self._on_upload_event)
         self.node = self._node_arena()
+        # memory-only snapshots between durable saves (`save(memory_only=True)`): two arena
+        # slots; turned off where they could never be restored (data-parallel size > 1) or
+        # where node memory has room for one arena only (`prepare`)
+        self.memory_snapshots = settings.memory_interval > 0
+        if self.memory_snapshots and me.dp > 1:
+            self._memory_snapshots_off("data_parallel", "data-parallel size > 1: nothing is "
+                                       "ever restored from memory (DeepSpeed's data-parallel "
+                                       "ranks above 0 read model files rank 0 wrote)")
+        if self.node is not None and not self.memory_snapshots:
+            self.node.remove_slots_from(1)  # a second slot of an earlier start: never used
         self.snapshot = SnapshotCheckpointEngine(on_durable=self._on_durable,
-                                                 on_failed=self._on_write_failed, node=self.node)
+                                                 on_failed=self._on_write_failed, node=self.node,
+                                                 slots=2 if self.memory_snapshots else 1)
         self._meta: dict[str, tuple[int, CheckpointMeta]] = {}
-        self._newest_save: tuple[int, CheckpointMeta] | None = None  # (step, meta) of it
-        # a crashed worker's newest save, mapped back from node memory by the first restore
-        # plan: (step, meta)
-        self._node_held: tuple[int, CheckpointMeta] | None = None
+        self.newest_durable = -1  # the newest durable save of this process's timeline
+        # the snapshots a crashed worker held in node memory, mapped back by the first restore
+        # plan: restorable until a state is loaded
+        self._node_held = False
         self._node_adopted = False
         # pipeline stage boundaries this run builds; a checkpoint saved with others (its
         # data_position "partition") has per-stage optimizer shards that do not fit: universal
@@ -175,6 +189,17 @@ class CheckpointManager:
                                       "false, or give the node a tmpfs /dev/shm")
         return node
 
+    def _memory_snapshots_off(self, cause: str, why: str) -> None:
+        """Memory-only snapshots are off for this run: one log line and one `checkpoint`
+        record (rank 0) say why."""
+        self.memory_snapshots = False
+        if self.me.rank == 0:
+            log.warning("memory_snapshots_off", cause=cause, reason=why,
+                        memory_interval=self.settings.memory_interval)
+            self.emit("checkpoint", step=-1, phase="memory_snapshots_off", cause=cause,
+                      detail=f"checkpoint.memory_interval = {self.settings.memory_interval} "
+                             f"is off for this run: {why}")
+
     def release_node_memory(self) -> None:
         """A clean exit of the worker: this rank's node memory files go (nothing restarts
         from them; node_memory.py)."""
@@ -212,7 +237,7 @@ class CheckpointManager:
         step = self._broadcast(found.step if found else local_step)
         if held >= 0 and held >= step:
             return self._node_memory_plan(held)
-        self._node_held = None  # `load` forgets it unless the step loaded is the same
+        self._node_held = False  # `load` forgets them unless the step loaded is the same
         if step >= 0 or rollback_to is None:
             self.uploader.drop_newer_than(step)
         if self.me.rank == 0 and step >= 0:
@@ -279,60 +304,73 @@ class CheckpointManager:
                            source=source, read_ahead=read_ahead, excluded=exclude)
 
     def _agree_node_held(self) -> int:
-        """Collective: the step every rank holds in node memory (adopted at start), or -1 when
-        any rank holds none or another step, or the held copy cannot be loaded as it is: with
-        data-parallel size > 1 (DeepSpeed's data-parallel ranks above 0 read model files that
-        rank 0 wrote, which are not in their memory) or when it was saved with other pipeline
-        stage boundaries (that needs the universal conversion of files)."""
+        """Collective: the newest step every rank holds in node memory (adopted at start: one
+        snapshot per arena slot), or -1 when no step is held by all, or the held copy cannot
+        be loaded as it is: with data-parallel size > 1 (DeepSpeed's data-parallel ranks above
+        0 read model files that rank 0 wrote, which are not in their memory) or when it was
+        saved with other pipeline stage boundaries (that needs the universal conversion of
+        files)."""
         if not self._node_adopted and self.node is not None:
             self._node_adopted = True  # once, before this process's first save
-            adopted = self.snapshot.adopt_node_memory(str(self.local_dir))
-            if adopted is not None:
-                self._node_held = (adopted[0], CheckpointMeta.model_validate_json(adopted[1]))
-        held = self._node_held
-        mine = -1
-        if held is not None and self.me.dp == 1:
-            saved_parts = held[1].data_position.get("partition")
-            if self.partition is None or saved_parts is None or \
-                    list(saved_parts) == list(self.partition):
-                mine = held[0]
-        agreed = torch.tensor([mine, -mine], dtype=torch.long, device=self.device)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-        step, highest = int(agreed[0]), -int(agreed[1])
-        return step if step >= 0 and step == highest else -1
+            self._node_held = self.snapshot.adopt_node_memory(str(self.local_dir)) is not None
+        mine = []
+        if self._node_held and self.me.dp == 1:
+            for held in self.snapshot.held_snapshots():
+                saved_parts = _meta_of(held).data_position.get("partition") \
+                    if held.meta else None
+                if held.step >= 0 and held.meta and (
+                        self.partition is None or saved_parts is None
+                        or list(saved_parts) == list(self.partition)):
+                    mine.append(held.step)
+        return self._newest_held_everywhere(mine)
+
+    def _newest_held_everywhere(self, mine: list[int]) -> int:
+        """Collective: the newest of `mine` (this rank's held steps) that every rank lists,
+        or -1."""
+        lists: list[list[int] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(lists, sorted(mine))
+        common = set(mine)
+        for steps in lists:
+            common &= set(steps or [])
+        return max(common, default=-1)
 
     def _abandon_node_held(self) -> int:
         """A rollback request: the state held in node memory (newer than the target, or of a
         timeline given up) must never be restored by a later restart; returns -1."""
-        self._node_adopted, self._node_held = True, None
+        self._node_adopted, self._node_held = True, False
         self.snapshot.forget_held()
         return -1
 
     def _node_memory_plan(self, step: int) -> RestorePlan:
         """Collective: the plan that restores the snapshot every rank holds in node memory
         (`_agree_node_held` chose `step`), served like a memory rollback: no disk read."""
-        held, node_held = self.snapshot.held(), self._node_held
-        assert held is not None and node_held is not None and node_held[0] == step
+        held = self._held_of(step)
+        assert held is not None and self._node_held
         self.uploader.drop_newer_than(step)
         if self.me.rank == 0:
             self.emit("checkpoint", step=step, phase="restoring",
                       durable=layout.local_manifest_path(self.local_dir, step).exists(),
-                      detail="held in node memory on every rank", source="node_memory")
-        return self._held_plan(step, held.tag, node_held[1], "node_memory")
+                      detail="held in node memory on every rank" + (
+                          "" if held.durable else " (a memory-only snapshot)"),
+                      source="node_memory")
+        return self._held_plan(held, "node_memory")
 
-    def _held_plan(self, step: int, tag: str, meta: CheckpointMeta, source: str) -> RestorePlan:
-        """Collective: a plan served from the held snapshot, with the other ranks' files as
-        skeletons (DeepSpeed lists them)."""
-        held = self.snapshot.held()
-        assert held is not None
+    def _held_of(self, step: int) -> HeldSnapshot | None:
+        """The newest held snapshot of `step`."""
+        return next((h for h in self.snapshot.held_snapshots() if h.step == step), None)
+
+    def _held_plan(self, held: HeldSnapshot, source: str) -> RestorePlan:
+        """Collective: a plan served from the held snapshot `held` (every rank holds its
+        step), with the other ranks' files as skeletons (DeepSpeed lists them)."""
         skeletons: list[dict[str, Any] | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(skeletons, self.snapshot.held_skeleton())
+        dist.all_gather_object(skeletons, self.snapshot.held_skeleton(held.tag))
         own = {os.path.basename(p) for p in held.files}
         peers = {name: sk for part in skeletons for name, sk in (part or {}).items()
                  if name not in own}
-        manifest = manifest_from_entries(step, meta, [])  # the save's meta, no file list
-        return RestorePlan(step=step, tag=tag, manifest=manifest, universal=False,
-                           source=source, peers=peers)
+        # the save's meta, no file list
+        manifest = manifest_from_entries(held.step, _meta_of(held), [])
+        return RestorePlan(step=held.step, tag=held.tag, manifest=manifest, universal=False,
+                           source=source, peers=peers, memory_only=not held.durable)
 
     def confirm(self, plan: RestorePlan | None) -> RestorePlan | None:
         """Collective: waits for the plan's read-ahead and accepts the plan when every rank's
@@ -362,24 +400,19 @@ class CheckpointManager:
         return False
 
     def plan_memory_rollback(self, newest: int) -> RestorePlan | None:
-        """Collective: a plan that rolls back to the newest save's host copy (snapshot.py) when
-        that save is the rollback target, i.e. its step is at most `newest`; every rank returns
-        the same. None (roll back from the local tier) when the target is older, or when any
-        rank lacks the copy: no save yet in this process, a later save has begun reusing its
-        buffers, or data-parallel size > 1 (DeepSpeed's data-parallel ranks above 0 read model
-        files that rank 0 wrote, which are not in their memory). Nothing waits for the files or
-        the upload of that save: they go on in the background."""
-        held = self.snapshot.held()
-        saved = self._newest_save
-        mine = saved[0] if (held is not None and saved is not None and self.me.dp == 1
-                            and held.tag == saved[1].tag) else -1
-        agreed = torch.tensor([mine, -mine], dtype=torch.long, device=self.device)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-        step, highest = int(agreed[0]), -int(agreed[1])
-        if step < 0 or step != highest or step > newest:
-            return None
-        assert held is not None and saved is not None
-        return self._held_plan(step, held.tag, saved[1], "memory")
+        """Collective: a plan that rolls back to the newest held snapshot (snapshot.py: a
+        durable save's or a memory-only snapshot's host copy; two are held with memory-only
+        snapshots on) whose step is at most `newest` and that every rank holds; every rank
+        returns the same. None (roll back from the local tier) when there is none: no save yet
+        in this process, later saves have begun reusing its slot, or data-parallel size > 1
+        (DeepSpeed's data-parallel ranks above 0 read model files that rank 0 wrote, which are
+        not in their memory). Nothing waits for the files or the upload of any save: they go
+        on in the background."""
+        mine = [h.step for h in self.snapshot.held_snapshots()
+                if 0 <= h.step <= newest and h.meta] if self.me.dp == 1 else []
+        step = self._newest_held_everywhere(mine)
+        held = self._held_of(step) if step >= 0 else None
+        return None if held is None else self._held_plan(held, "memory")
 
     def drop_newer_than(self, step: int) -> list[int]:
         """After a rollback: checkpoints newer than `step` belong to an abandoned timeline and
@@ -416,13 +449,11 @@ class CheckpointManager:
                                              load_lr_scheduler_states=True)
         if path is None:
             raise CheckpointError(f"DeepSpeed could not load {plan.tag} from {self.local_dir}")
-        if self._newest_save is not None and self._newest_save[0] > plan.step:
-            self._newest_save = None  # a save of the abandoned timeline: never a target again
-        if plan.source == "node_memory" and self._node_held is not None:
-            self._newest_save = self._node_held  # a NaN rollback may read it from memory too
-        self._node_held = None
-        # a rollback to another state abandons the held copy: a crash must not restart from it
-        self.snapshot.forget_held(unless_tag=plan.tag)
+        self._node_held = False
+        self.newest_durable = min(self.newest_durable, plan.step)
+        # a rollback to another state abandons the newer held copies (saves of the abandoned
+        # timeline): a crash must not restart from them, nor a rollback go back to them
+        self.snapshot.forget_held(unless_tag=plan.tag, older_kept=plan.step)
 
     # -- save ---------------------------------------------------------------------------------
 
@@ -448,10 +479,38 @@ class CheckpointManager:
             if why is not None:
                 raise CheckpointError(f"checkpoint.keep_in_node_memory = true, but {why}; "
                                       "set it to \"auto\" or false, or make room there")
+        if self.memory_snapshots:
+            self._agree_room_for_two(nbytes)
         self.snapshot.reserve_pinned(nbytes, pin=cuda)
         if not cuda:
             self.snapshot.wait_arena()
         return nbytes
+
+    def _agree_room_for_two(self, nbytes: int) -> None:
+        """Collective, before the arenas are reserved: memory-only snapshots need two arenas
+        of `nbytes`; where node memory has room for one only, they are off on every rank (the
+        one arena stays in node memory, so a crash still restarts from the newest durable
+        save's copy). A node memory without room for one arena needs no agreement: both
+        arenas are process memory, serving in-process rollbacks."""
+        why = None
+        node = self.node
+        if node is not None:
+            sizes = [s.arena_path.stat().st_size if s.arena_path.exists() else 0
+                     for s in (node.for_slot(0), node.for_slot(1))]
+            root = node.folder.parent
+            if no_room(nbytes, root, reusable=sizes[0]) is None:
+                why = no_room(2 * nbytes, root, reusable=sum(sizes))
+        whys: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(whys, why)
+        lacking = [(rank, w) for rank, w in enumerate(whys) if w]
+        if lacking:
+            self.snapshot.limit_slots(1)
+            rank, first = lacking[0]
+            self._memory_snapshots_off(
+                "node_memory_room", f"node memory has room for one snapshot arena, not the two "
+                f"they need (rank {rank}: {first}); make room in /dev/shm (2x this rank's "
+                "state), or set checkpoint.keep_in_node_memory = false to keep both arenas in "
+                "process memory (no crash restart from memory)")
 
     def _pin_early(self, state_bytes: int) -> None:
         """A restore knows this rank's state size from its files: the snapshot arena is pinned
@@ -462,23 +521,42 @@ class CheckpointManager:
             self.snapshot.reserve_pinned(int(state_bytes * 1.1) + (64 << 20))
 
     def save(self, engine: Any, step: int, client_state: dict[str, Any], tokens_seen: int,
-             data_position: dict[str, Any]) -> float:
-        """Blocks only for the snapshot; returns the seconds training was blocked."""
+             data_position: dict[str, Any], memory_only: bool = False) -> float:
+        """Blocks only for the snapshot; returns the seconds training was blocked.
+        `memory_only` (with `memory_snapshots`): a memory-only snapshot, held in host and node
+        memory for rollbacks and crash restarts, never written, queued, uploaded or recorded
+        (snapshot.py); it never waits for the writer."""
         engine.checkpoint_engine = self.snapshot
-        copy_recovery_scripts_once(engine)  # a full disk must not fail the save through them
         tag = tag_for(step)
         me = self.me
-        self._meta[tag] = (step, CheckpointMeta(
+        meta = CheckpointMeta(
             job=self.settings.job, job_id=self.job_id, tokens_seen=tokens_seen, tag=tag,
             layout=Layout(tp=me.tp, pp=me.pp, dp=me.dp, world_size=me.world_size),
-            model_hash=self.settings.model_hash, data_position=data_position))
+            model_hash=self.settings.model_hash, data_position=data_position)
+        if memory_only:
+            t0 = time.perf_counter()
+            self.snapshot.describe_next_save(step, meta.model_dump_json())
+            with self.snapshot.memory_only(), recovery_scripts_skipped(engine):
+                engine.save_checkpoint(str(self.local_dir), tag=tag, client_state=client_state,
+                                       save_latest=False)
+            return time.perf_counter() - t0
+        copy_recovery_scripts_once(engine)  # a full disk must not fail the save through them
+        self._meta[tag] = (step, meta)
         t0 = time.perf_counter()
-        newest, self._newest_save = self._meta[tag], None
-        self.snapshot.describe_next_save(step, newest[1].model_dump_json())
+        self.snapshot.describe_next_save(step, meta.model_dump_json())
         engine.save_checkpoint(str(self.local_dir), tag=tag, client_state=client_state,
                                save_latest=False)
-        self._newest_save = newest  # its host copy may serve a rollback
+        self.newest_durable = step
         return time.perf_counter() - t0
+
+    def memory_snapshot_ready(self) -> bool:
+        """Collective: every rank's next memory-only snapshot would copy into its reserved
+        arena (snapshot.py `memory_slot_ready`); until then they are skipped, since a copy into
+        fresh pageable memory would block longer and take a second state's worth of memory."""
+        ready = torch.tensor([int(self.snapshot.memory_slot_ready())], dtype=torch.long,
+                             device=self.device)
+        dist.all_reduce(ready, op=dist.ReduceOp.MIN)
+        return bool(ready.item())
 
     def _on_durable(self, tag: str, paths: list[str]) -> None:
         """Writer thread: this rank's files of `tag` are on local disk; queue the upload. A
@@ -559,3 +637,8 @@ class CheckpointManager:
         t = torch.tensor([value], dtype=torch.long, device=self.device)
         dist.broadcast(t, src=0)
         return int(t.item())
+
+
+def _meta_of(held: HeldSnapshot) -> CheckpointMeta:
+    """The manifest metadata a held snapshot's save described."""
+    return CheckpointMeta.model_validate_json(held.meta)

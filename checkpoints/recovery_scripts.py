@@ -12,7 +12,8 @@ copy) instead of failing the save.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import structlog
@@ -49,3 +50,22 @@ def copy_recovery_scripts_once(engine: Any) -> None:
     copy = getattr(engine, "_copy_recovery_script", None)
     if copy is not None and not isinstance(copy, _CopyOnce):
         engine._copy_recovery_script = _CopyOnce(copy)
+
+
+@contextmanager
+def recovery_scripts_skipped(engine: Any) -> Iterator[None]:
+    """While open, `engine`'s saves copy no recovery script: a memory-only snapshot
+    (snapshot.py) has no folder to copy them into."""
+    copy = getattr(engine, "_copy_recovery_script", None)
+    if copy is None:
+        yield
+        return
+    engine._copy_recovery_script = _skip
+    try:
+        yield
+    finally:
+        engine._copy_recovery_script = copy
+
+
+def _skip(save_path: str) -> None:
+    pass

@@ -73,6 +73,10 @@ def record_to_event(rec: dict[str, Any]) -> dict[str, Any] | None:
         ev["message"] = f"{ev['cause']} at step {ev['step']}: {rec.get('detail', '')}"
     elif kind == RecordKind.CHECKPOINT:
         ev["message"] = f"checkpoint step {ev['step']} {rec.get('phase', '')}"
+        if rec.get("phase") in MEMORY_SNAPSHOT_PHASES:
+            ev["message"] = MEMORY_SNAPSHOT_PHASES[rec["phase"]].format(
+                step=ev["step"], blocked_s=rec.get("blocked_s", "?"),
+                detail=rec.get("detail", ""))
         if rec.get("phase") == "restoring" and rec.get("source"):  # engine_io.RestorePlan
             ev["message"] += f" from {RESTORE_SOURCES.get(rec['source'], rec['source'])}"
         if rec.get("phase") in PROBLEM_PHASES:  # the whole truth, not only a phase name
@@ -126,8 +130,17 @@ def describe_interval(rec: dict[str, Any]) -> str:
 
 
 # Where a restart's restore reads its checkpoint (`restoring` records: engine_io.RestorePlan)
-RESTORE_SOURCES = {"node_memory": "node memory (the crashed workers' newest save, no disk read)",
+RESTORE_SOURCES = {"node_memory": "node memory (the crashed workers' newest snapshot, no disk "
+                                  "read)",
                    "local": "the node-local tier", "store": "the durable store"}
+
+# Memory-only snapshots (checkpoint.memory_interval, trainer/loop.py): events only, never in
+# the checkpoint index (no files: nothing to list, restore by hand or upload)
+MEMORY_SNAPSHOT_PHASES = {
+    "held_in_memory": "step {step} held in memory only (a memory-only snapshot for rollbacks "
+                      "and crash restarts, no files; training blocked {blocked_s} s)",
+    "memory_snapshots_off": "memory-only snapshots off for this run: {detail}",
+}
 
 # Checkpoint phases that enter the checkpoint index ("uploaded", "reshaped", "swept" are
 # progress reports, "cleanup_failed" a fault of the cleanup, not of a checkpoint: events only;

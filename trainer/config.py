@@ -280,6 +280,13 @@ class CheckpointConfig(_Section):
     interval: Annotated[int, Field(ge=0, le=10**9)] | Literal["auto"] = Field(
         default=0, description='save every N steps (0 = only on demand), or "auto": every '
         "sqrt(2 * save cost * MTBF) seconds (Young-Daly; trainer/checkpoint_interval.py)")
+    memory_interval: int = Field(
+        default=0, ge=0, le=10**9, description="take a memory-only snapshot every N steps "
+        "between durable saves (0 = none): held in host memory and node memory (/dev/shm), "
+        "never written, so a NaN or spike rollback or a crash restart loses at most N steps "
+        "instead of a whole interval; costs a second snapshot arena (2x this rank's state in "
+        "host memory and /dev/shm). Smaller than an integer interval; skipped with "
+        "data-parallel size > 1 (checkpoints/snapshot.py)")
     auto_mtbf_prior_hours: float = Field(
         default=6.0, gt=0, le=10**5, allow_inf_nan=False, description='interval = "auto": the '
         "mean time between failures assumed before any is observed (counts as one failure in "
@@ -450,7 +457,8 @@ class JobConfig(_Section):
             job=self.name, store=c.store, local_dir=c.local_dir, keep_last=c.keep_last,
             keep_every=c.keep_every, cleanup_grace_s=c.cleanup_grace_s,
             model_hash=self.model_hash(), zero_stage=self.parallel.zero_stage,
-            keep_in_node_memory=c.keep_in_node_memory, s3=c.s3.model_dump())
+            keep_in_node_memory=c.keep_in_node_memory, memory_interval=c.memory_interval,
+            s3=c.s3.model_dump())
 
     def dump_json(self) -> str:
         return self.model_dump_json(indent=2)
@@ -741,6 +749,7 @@ def validate_job(cfg: JobConfig, world_size: int | None = None) -> None:
         problems.append(
             f"the job has {world_size} processes but tp x pp x dp = {p.tp} x {p.pp} x {p.dp} = "
             f"{p.world_size}; the world size must be the product of the three degrees")
+    problems += _memory_interval_problems(cfg.checkpoint)
     if cfg.checkpoint.store is not None and not re.match(r"^(file|s3)://", cfg.checkpoint.store):
         problems.append(f"checkpoint.store={cfg.checkpoint.store!r}: use file:///absolute/path "
                         "or s3://bucket/prefix")
@@ -758,6 +767,25 @@ def validate_job(cfg: JobConfig, world_size: int | None = None) -> None:
     if problems:
         raise ConfigError(f"job {cfg.name!r} cannot run as configured:\n  - "
                           + "\n  - ".join(problems))
+
+
+def _memory_interval_problems(c: CheckpointConfig) -> list[str]:
+    """Memory-only snapshots are taken between durable saves, so they need durable saves more
+    than `memory_interval` steps apart."""
+    memory, interval = c.memory_interval, c.interval
+    if memory == 0:
+        return []
+    if interval == 0:
+        return [f"checkpoint.memory_interval={memory} takes memory-only snapshots between "
+                "durable saves, but checkpoint.interval=0 makes none (only on demand); set "
+                f"checkpoint.interval to an integer above {memory} (e.g. {memory * 4}) or "
+                "\"auto\", or memory_interval = 0"]
+    if isinstance(interval, int) and memory >= interval:
+        return [f"checkpoint.memory_interval={memory} is not smaller than checkpoint.interval="
+                f"{interval}: every step it names would be a durable save (or come after the "
+                f"one it should back up); use a memory_interval below {interval} (e.g. "
+                f"{max(1, interval // 4)}), or 0 for none"]
+    return []
 
 
 def _data_problems(cfg: JobConfig) -> list[str]:

@@ -79,6 +79,7 @@ class Trainer:
                                       spike_steps=cfg.faults.spike_patience)
         self.spikes, self.budget = SpikeDetector(cfg.faults), RollbackBudget(cfg.faults)
         self.fp16_skips = 0
+        self._memory_waits_told = False  # a memory snapshot was skipped for the arenas
         c = cfg.checkpoint  # interval "auto": rank 0 keeps the clock, every rank saves on its word
         self.auto = AutoInterval(run_dir / "control", c.auto_mtbf_prior_hours,
                                  c.auto_initial_save_cost_s) \
@@ -126,7 +127,8 @@ class Trainer:
         self.reporter.emit(RecordKind.HEARTBEAT, step=plan.step, phase="load")
         t0 = time.perf_counter()
         self.ckpt.load(self.step_fn.engine, plan)
-        self.step = self.saved_step = plan.step
+        self.step = plan.step
+        self.saved_step = -1 if plan.memory_only else plan.step  # no file of a memory-only one
         self.tokens_seen = plan.manifest.tokens_seen
         # windows skipped by NaN recovery before the checkpoint stay skipped after it
         saved_skips = [tuple(w) for w in plan.manifest.data_position.get("skip_batches", [])]
@@ -154,15 +156,18 @@ class Trainer:
                          "model": self.cfg.model.model_dump(mode="json")},
                 "universal_checkpoint_info": universal_checkpoint_info(self.cfg)}
 
+    def _position(self) -> dict[str, Any]:
+        """Where the data stands, for a checkpoint's manifest."""
+        return {"step": self.step,
+                "skip_batches": [list(w) for w in self.cfg.data.skip_batches],
+                "partition": self.partition.boundaries}
+
     def save(self) -> None:
         if self.step == self.saved_step:
             return
         self.reporter.emit(RecordKind.HEARTBEAT, step=self.step, phase="save")
-        position = {"step": self.step,
-                    "skip_batches": [list(w) for w in self.cfg.data.skip_batches],
-                    "partition": self.partition.boundaries}
         blocked = self.ckpt.save(self.step_fn.engine, self.step, self.client_state(),
-                                 self.tokens_seen, position)
+                                 self.tokens_seen, self._position())
         self.saved_step = self.step
         if self.auto is not None:
             self.auto.saved(self.step, blocked)
@@ -171,6 +176,27 @@ class Trainer:
         if self.tb is not None:
             self.tb.scalar("checkpoint/blocked_s", blocked, self.step)
         log.info("checkpoint saved", step=self.step, blocked_s=round(blocked, 3))
+
+    def hold(self) -> None:
+        """A memory-only snapshot of this step (`checkpoint.memory_interval`): held in host and
+        node memory, so that a rollback or a crash restart loses at most that many steps,
+        never written (engine_io.CheckpointManager.save). `saved_step` stays: a durable save
+        of this step asked for later (a command, the end) is still made. Skipped (collective)
+        while any rank's arenas are still being reserved."""
+        if not self.ckpt.memory_snapshot_ready():
+            if not self._memory_waits_told:
+                self._memory_waits_told = True
+                log.info("memory snapshot skipped", step=self.step, reason="the snapshot "
+                         "arenas are still being reserved (and pinned); skipped until they are")
+            return
+        self.reporter.emit(RecordKind.HEARTBEAT, step=self.step, phase="save")
+        blocked = self.ckpt.save(self.step_fn.engine, self.step, self.client_state(),
+                                 self.tokens_seen, self._position(), memory_only=True)
+        if self.env.rank == 0:
+            self.reporter.emit(RecordKind.CHECKPOINT, step=self.step, phase="held_in_memory",
+                               blocked_s=round(blocked, 4))
+        if self.tb is not None:
+            self.tb.scalar("checkpoint/held_blocked_s", blocked, self.step)
 
     def _emit_checkpoint(self, kind: str, **fields: Any) -> None:
         """The checkpoint manager's reports; a commit also times the save for "auto"."""
@@ -262,6 +288,9 @@ class Trainer:
         # wait for its files or upload (engine_io.plan_memory_rollback)
         plan = self.ckpt.plan_memory_rollback(newest=failed - suspect)
         dropped: list[int] = []
+        if plan is not None and suspect > 1 and self.ckpt.newest_durable > failed - suspect:
+            # a durable save of suspect steps is newer than the held snapshot rolled back to
+            dropped = self._drop_suspect_checkpoints(failed - suspect)
         if plan is None:  # the local tier
             # the newest checkpoint may still be uploading (a GPU step can be shorter than an
             # upload): let it commit, so the rollback loses the fewest steps and every rank
@@ -281,7 +310,8 @@ class Trainer:
             self.cfg.data.skip_batches = sorted(set(self.cfg.data.skip_batches) | {window})
         self.ckpt.load(self.step_fn.engine, plan)
         self._lower_lr()
-        self.step = self.saved_step = plan.step
+        self.step = plan.step
+        self.saved_step = -1 if plan.memory_only else plan.step
         self.tokens_seen = plan.manifest.tokens_seen
         self.spikes.reset()
         if self.auto is not None:  # back at a checkpoint: no work at risk
@@ -402,6 +432,8 @@ class Trainer:
     def run(self) -> str:
         """Trains to the configured step count; returns why it ended."""
         steps, interval = self.cfg.train.steps, self.cfg.checkpoint.interval
+        # memory-only snapshots between durable saves (off where the manager turned them off)
+        memory = self.cfg.checkpoint.memory_interval if self.ckpt.memory_snapshots else 0
         first = self.step
         self.reporter.emit(RecordKind.START, step=first, device=str(self.device),
                            **self.layout.describe(),
@@ -448,6 +480,8 @@ class Trainer:
             every = interval if isinstance(interval, int) else 0
             if (due or (every and self.step % every == 0)) and self.step < steps:
                 self.save()
+            elif memory and self.step % memory == 0 and self.step < steps:
+                self.hold()
         if reason == DoneReason.COMPLETED and self.step > first:
             self.save()
         self.reporter.emit(RecordKind.DONE, step=self.step, reason=reason)

@@ -1,0 +1,138 @@
+"""Memory-only snapshots between durable saves (checkpoint.memory_interval, trainer/loop.py
+`hold`): real 4-rank jobs under ds3d's node agent, gloo on CPU, (TP, PP, DP) = (2, 2, 1), node
+memory in this test process's tmpfs folder (tests/conftest.py sets DS3D_NODE_MEMORY_ROOT).
+
+Durable saves every 6 steps, memory-only snapshots every 2 (steps 2, 4, 8, 10): a fault after
+step 8 goes back to step 8's memory-only snapshot, not to step 6's durable save, both for an
+in-process rollback (a NaN at step 9 with faults.skip_batches = 2, which always rolls back) and
+for a crash restart (rank 2 exits before step 9; the agent restarts the group, which maps the
+arenas back from node memory). Either way the run then trains, to the bit, as a fault-free run
+(the rollback's: one that skips the same batch from the start): every loss, and every tensor
+and counter of the final checkpoint. No memory-only snapshot ever made a file or a folder."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ds3d.checkpoints.identity import local_job_id
+from ds3d.checkpoints.node_memory import job_folder
+
+from support import losses, records, torchrun
+
+STEPS = 12
+SETS = [f"train.steps={STEPS}", "train.warmup_steps=2", "parallel.tp=2", "parallel.pp=2",
+        "checkpoint.interval=6", "checkpoint.memory_interval=2"]
+FAULT_AT = 9  # before step 9: step 8's memory-only snapshot is the newest state held
+
+
+def _inject(run_dir: Path, **req: object) -> None:
+    (run_dir / "control").mkdir(parents=True, exist_ok=True)
+    (run_dir / "control" / "inject.json").write_text(json.dumps({"id": 1, **req}))
+
+
+def _final_checkpoint(run_dir: Path) -> Path:
+    return run_dir / "store" / "tiny" / "ckpt" / f"step-{STEPS:08d}"
+
+
+def _assert_same(a: Any, b: Any, where: str) -> None:
+    """Equal to the bit: tensors by their bytes (dtype and shape too), containers by key,
+    objects without an equality of their own by their attributes."""
+    if torch.is_tensor(a):
+        assert torch.is_tensor(b) and (a.dtype, a.shape) == (b.dtype, b.shape), where
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for k in a:
+            _assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, list | tuple):
+        assert isinstance(b, list | tuple) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_same(x, y, f"{where}[{i}]")
+    elif hasattr(a, "__dict__") and type(a).__eq__ is object.__eq__:  # e.g. a loss scaler
+        assert type(a) is type(b), where
+        _assert_same(vars(a), vars(b), where)
+    else:
+        assert a == b, (where, a, b)
+
+
+def _assert_same_run(run: Path, ref: Path) -> None:
+    """Every step's loss, and every file of the final checkpoint, equal to the bit."""
+    want, got = losses(ref), losses(run)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):
+        assert got[step] == want[step], (step, got[step], want[step])
+    a, b = _final_checkpoint(run), _final_checkpoint(ref)
+    files = sorted(p.relative_to(a).as_posix() for p in a.rglob("*.pt"))
+    assert files and files == sorted(p.relative_to(b).as_posix() for p in b.rglob("*.pt"))
+    for name in files:
+        _assert_same(torch.load(a / name, weights_only=False),
+                     torch.load(b / name, weights_only=False), name)
+
+
+def _assert_nothing_written_for_memory_snapshots(run: Path) -> None:
+    """Only durable steps (6 and the end) ever had a folder or an object: memory-only
+    snapshots are not in the local tier, the store or the local-complete records."""
+    assert sorted(p.name for p in (run / "ckpt").iterdir() if p.name.startswith("global_step")) \
+        == ["global_step12", "global_step6"]
+    assert sorted(p.name for p in (run / "store" / "tiny" / "ckpt").iterdir()) == [
+        "step-00000006", f"step-{STEPS:08d}"]
+    indexed = {c["step"] for c in records(run, 0, "checkpoint")
+               if c.get("phase") in ("saved", "local_complete", "committed")}
+    assert indexed == {6, STEPS}, indexed
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_nan_rollback_goes_back_to_the_newer_memory_only_snapshot(tmp_path: Path) -> None:
+    """faults.skip_batches = 2: a NaN always rolls back (the batch before the bad one was
+    trained on); the newest held snapshot at most step 8 is step 8's memory-only one."""
+    sets = SETS + ["faults.skip_batches=2"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    _inject(run, kind="nan", rank=1, at_step=FAULT_AT)
+    torchrun(run, 4, sets=sets, timeout=500)
+    assert [(f["cause"], f["step"]) for f in records(run, 0, "fault")] == [("nan", FAULT_AT)]
+    [rec] = records(run, 0, "recovery")
+    assert (rec["source"], rec["recovered_to"], rec["steps_lost"]) == ("memory", 8, 1), rec
+    # the window is cut at the snapshot's own batch: batch 8 (step 9's) alone is skipped
+    assert rec["skipped_batches"] == [8, 9], rec
+    held = [(r["step"], r["restart"]) for r in records(run, 0, "checkpoint")
+            if r.get("phase") == "held_in_memory"]
+    assert held == [(2, 0), (4, 0), (8, 0), (10, 0)], held  # 10 again after the rollback
+    assert all(isinstance(r["blocked_s"], float) for r in records(run, 0, "checkpoint")
+               if r.get("phase") == "held_in_memory")
+    _assert_nothing_written_for_memory_snapshots(run)
+
+    torchrun(ref, 4, sets=sets + ["data.skip_batches=[[8, 9]]"], timeout=500)
+    assert not records(ref, 0, "fault") and not records(ref, 0, "recovery")
+    _assert_same_run(run, ref)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_crash_restarts_from_the_memory_only_snapshot_in_node_memory(tmp_path: Path) -> None:
+    root = Path(os.environ["DS3D_NODE_MEMORY_ROOT"])
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    _inject(run, kind="crash", rank=2, at_step=FAULT_AT)
+    torchrun(run, 4, sets=SETS, max_restarts=1, timeout=500)  # raises unless it exits 0
+
+    starts = [(s["restart"], s["step"]) for s in records(run, 0, "start")]
+    assert starts == [(0, 0), (1, 8)], starts
+    assert (run / "control" / "inject-done-1").read_text() == str(FAULT_AT)
+    restoring = [r for r in records(run, 0, "checkpoint") if r.get("phase") == "restoring"]
+    assert [(r["restart"], r["step"], r["source"], r["durable"]) for r in restoring] == \
+        [(1, 8, "node_memory", False)], restoring
+    assert "memory-only snapshot" in restoring[0]["detail"]
+    _assert_nothing_written_for_memory_snapshots(run)
+    # a clean end removed every rank's arenas and markers, both slots
+    job_id = local_job_id(run)
+    assert job_id and not job_folder(job_id, root).exists(), \
+        list(job_folder(job_id, root).iterdir())
+
+    torchrun(ref, 4, sets=SETS, timeout=500)
+    _assert_same_run(run, ref)
