@@ -4,20 +4,24 @@ Save (every rank): DeepSpeed's `save_checkpoint` writes this rank's shards throu
 `SnapshotCheckpointEngine`, which blocks only for the copy into host memory; the writer thread
 then puts the files into the node-local tier, and the `Uploader` hashes and uploads them and
 writes this rank's part manifest; rank 0's uploader commits the MANIFEST once all parts are in
-the store, then applies retention. The training thread never waits for any of that.
+the store, then applies retention. The training thread never waits for any of that. Between
+durable saves, memory-only snapshots (`save(memory_only=True)`, `checkpoint.memory_interval`)
+take the same path into the engine's second arena slot and stop there: held in host and node
+memory for rollbacks and crash restarts, never written, uploaded or recorded.
 
 Restore (collective, before the engine is built, because a changed layout needs DeepSpeed's
 `load_universal` switch at initialisation): the ranks agree on the newest step local-complete on
 every rank (local_complete.py), unhashed: each rank's own files of it are read in parallel into
-host memory and checked against the sha256 recorded at save as they stream (read_ahead.py),
-in the background while the engine is built; `confirm` then agrees that every rank's files
-matched (or plans again without that step) and `load` serves DeepSpeed from those buffers, so
-the files are read once. A newer (or the same) step held in node memory on every rank
-(node_memory.py: the newest save's host copy, which outlived the crashed workers) is restored
-from there instead, with no disk read. Rank 0 looks for a newer committed checkpoint whose
-files verify (local copy first, otherwise downloaded and checked), every node's first rank makes
-that step available locally, and when the saved (TP, PP, DP) differs from the current one the
-checkpoint is converted to DeepSpeed's universal format and loaded from there.
+host memory and checked against the sha256 recorded at save as they stream (read_ahead.py), in
+the background while the engine is built; `confirm` then agrees that every rank's files matched
+(or plans again without that step) and `load` serves DeepSpeed from those buffers, so the files
+are read once. A newer (or the same) step held in node memory on every rank (node_memory.py: a
+save's or memory-only snapshot's host copy, which outlived the crashed workers; the newest step
+all ranks hold) is restored from there instead, with no disk read. Rank 0 looks for a newer
+committed checkpoint whose files verify (local copy first, otherwise downloaded and checked),
+every node's first rank makes that step available locally, and when the saved (TP, PP, DP)
+differs from the current one the checkpoint is converted to DeepSpeed's universal format and
+loaded from there.
 """
 
 from __future__ import annotations

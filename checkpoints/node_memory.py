@@ -7,15 +7,21 @@ large state (tens of seconds) queue behind each other. Here the arena is a file 
 (`/dev/shm/ds3d-<job id>/rank-<R>.arena`, a MAP_SHARED mapping, page-locked with CUDA in
 pieces as the anonymous one is), so its pages stay in RAM when the process dies, and a
 restarted worker of the same job, rank and layout maps it back (`NodeArena.adopt`).
+With memory-only snapshots (`checkpoint.memory_interval`, snapshot.py) a rank has two arena
+slots, each its own file and marker: slot 0 `rank-<R>.arena` / `.held`, slot 1
+`rank-<R>-1.arena` / `rank-<R>-1.held` (twice the state's size in RAM); a restart maps back
+every slot with a valid marker and restores the newest step that every rank holds (engine_io).
 
-Validity marker (`rank-<R>.held`): the held save's skeleton (every file's dict, each tensor as
-(offset, dtype, shape, stride) in the arena), its tag and step, the save's manifest metadata
-and the layout fingerprint (job id, rank, world size, tp/pp/dp, model hash) and the arena
-file's identity (inode, size). It is written atomically (temp file + rename) only once every
-host copy of the save is complete (device synchronised: `SnapshotCheckpointEngine.save`), and
-removed at the next save's `create()` before any byte of the arena is overwritten, mirroring the
-in-process `_held = None`. A crash mid-copy therefore leaves no marker, and a marker always
-describes exactly the bytes its save copied: "complete and verified, or ignored".
+Validity marker (`rank-<R>.held`, one per slot): the held save's skeleton (every file's dict,
+each tensor as (offset, dtype, shape, stride) in the arena), its tag and step, the save's
+manifest metadata and the layout fingerprint (job id, rank, world size, tp/pp/dp, model hash),
+the arena file's identity (inode, size) and whether the save's files were written too
+(`durable`; false for a memory-only snapshot). It is written atomically (temp file + rename)
+only once every host copy of the save is complete (device synchronised:
+`SnapshotCheckpointEngine.save`), and removed at the `create()` of the next save into the same
+slot, before any byte of that arena is overwritten, mirroring the in-process forgetting of that
+slot's snapshot. A crash mid-copy therefore leaves no marker, and a marker always describes
+exactly the bytes its save copied: "complete and verified, or ignored".
 
 No checksum is taken of the arena: the bytes never leave RAM (tmpfs, no medium to rot, the
 same DRAM/ECC the in-process rollback trusts), the only writer is this job's rank (folder mode
@@ -28,12 +34,15 @@ folder.)
 Room: the arena goes to /dev/shm only when that is a tmpfs with free space and MemAvailable
 of at least the arena plus a margin (a container's 64 MB /dev/shm just falls back to the
 anonymous arena, one log line saying why); the file is fully allocated up front
-(posix_fallocate), so a tmpfs that fills later cannot SIGBUS a save.
+(posix_fallocate), so a tmpfs that fills later cannot SIGBUS a save. With two slots, a node
+with room for one arena but not two turns memory-only snapshots off for the run (engine_io:
+one log line and a `memory_snapshots_off` record) and keeps the one slot here.
 
 Cleanup (it is RAM): the worker removes its files on a clean exit (`CheckpointManager.
 release_node_memory`); ds3dd removes a job's folder when the job ends or is deleted, and at
 its start for the jobs it knows that no longer run (`remove_job_folder`); a start with another
-layout replaces this rank's files and removes those of ranks beyond its world size. Without
+layout replaces this rank's files and removes those of ranks beyond its world size (every
+slot's), and a start without memory-only snapshots removes this rank's second slot. Without
 the daemon, a crash that is never restarted leaves the folder until the job's next start (its
 same run directory, so the same job id) or a reboot.
 """

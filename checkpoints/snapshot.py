@@ -3,19 +3,27 @@
 DeepSpeed's default engine calls `torch.save` on the training thread: serialisation and disk
 writes (25-34 s for a 20 GB state on an H200, see FIELD-NOTES) stall every rank. Here `save()`
 copies each tensor into host memory (pinned on GPU, so the device-to-host copy runs at full
-bandwidth; the buffers are kept and reused by the next save, so memory stays bounded at one
-host copy of this rank's state) and hands the copy to a writer thread that serialises it to the
-node-local tier (temp file, fsync, rename). The copy must finish before the call returns: the
-next optimizer step mutates the tensors in place (DCP's async_save once captured post-step
-values, pytorch#144657).
+bandwidth; the buffers are kept and reused by the next save, so memory stays bounded at one host
+copy of this rank's state per arena slot) and hands the copy to a writer thread that serialises
+it to the node-local tier (temp file, fsync, rename). The copy must finish before the call
+returns: the next optimizer step mutates the tensors in place (DCP's async_save once captured
+post-step values, pytorch#144657).
 
 Pinning host memory is slow (page locking: ~15 s for a 20 GB state on an H200, measured), so
-`reserve_pinned(nbytes)` registers one host arena with CUDA on a background thread while training
-runs, and saves carve their buffers out of it. A save that comes before the arena is ready copies
-into pageable memory that once (about 3x slower than pinned, far faster than pinning inline).
+`reserve_pinned(nbytes)` registers each slot's host arena with CUDA on a background thread while
+training runs, and saves carve their buffers out of it. A save that comes before its arena is
+ready copies into pageable memory that once (about 3x slower than pinned, far faster than
+pinning inline).
 
-A save that arrives while the previous one is still being written waits for that write first
-(the host buffers are in use): saves are serialised, never overlapped, never coalesced away.
+A durable save that arrives while the previous one is still being written waits for that write
+first (the host buffers are in use): durable saves are serialised, never overlapped, never
+coalesced away. Memory-only snapshots (`memory_only()`, `checkpoint.memory_interval`) are the
+exception: with them the engine has two arena slots, each an arena of the state's size (so 2x
+this rank's state in host memory). A save copies into a slot the writer is not reading from: a
+durable one (after the wait) into the slot of the older held snapshot, a memory-only one at once
+into the slot not being written, overwriting the older memory-only snapshot there if need be,
+so it never waits for the writer, and the other slot's snapshot stays valid while it copies. A
+memory-only snapshot makes no folder and queues nothing: it is held (below), never written.
 `on_durable(tag, paths)` is called on the writer thread when all files of a tag are on disk; it
 must not use collectives (no process group is shared with the training thread).
 
@@ -38,21 +46,23 @@ Nothing older is touched: earlier tags live in their own folders and nothing her
 them, so the last good checkpoint survives. Any other write error is kept and raised by the
 next save, as before.
 
-The newest save stays readable from host memory (`held()`, `serving_held()`): an in-process
-rollback to it reads the host copy instead of waiting for the files and reading them back
-(DeepSpeed's own `load_checkpoint` runs unchanged, over a folder of empty stand-ins for the
-tag's files; only where each file's dict comes from differs). Invariant: a held snapshot is
-exactly the state its save copied, because the only writes into the host buffers are a later
-save's copies, and `create()` (the first call of every save, before any copy) forgets the held
-snapshot. A rollback that finds nothing held, because a later save has begun reusing the
-buffers, reads the local tier.
+The newest save of each slot stays readable from host memory (`held()`, `held_snapshots()`,
+`serving_held()`): an in-process rollback to it reads the host copy instead of waiting for the
+files and reading them back (DeepSpeed's own `load_checkpoint` runs unchanged, over a folder of
+empty stand-ins for the tag's files; only where each file's dict comes from differs).
+Invariant, per slot: a held snapshot is exactly the state its save copied, because the only
+writes into a slot's host buffers are a later save's copies into that slot, and `create()` (the
+first call of every save, before any copy) forgets the snapshot of the slot it chose. A
+rollback that finds nothing held, because later saves have begun reusing the slots, reads the
+local tier.
 
-With a `NodeArena` (node_memory.py) the arena is a file in /dev/shm, so the held copy outlives
-the process: `commit()` writes its validity marker once every copy of the save is complete,
-and `create()` of the next save removes it before the first byte is copied (the marker-file
-form of the invariant above); a restarted worker maps the arena back (`adopt_node_memory`),
-which then serves the restore (`serving_held`) and becomes this process's arena for its saves.
-Where /dev/shm has no room, the arena is anonymous as before (one log line says why).
+With a `NodeArena` (node_memory.py) each slot's arena is a file in /dev/shm, so the held copies
+outlive the process: `commit()` writes a slot's validity marker once every copy of the save is
+complete, and `create()` of the next save into that slot removes it before the first byte is
+copied (the marker-file form of the invariant above); a restarted worker maps the arenas back
+(`adopt_node_memory`), which then serve the restore (`serving_held`) and become this process's
+arenas for its saves. Where /dev/shm has no room, the arenas are anonymous as before (one log
+line says why).
 """
 
 from __future__ import annotations

@@ -31,8 +31,11 @@ and their extra fields:
                 "store_wait")
     checkpoint  step, phase ("saved", "local_complete", "committed", "failed", "uploaded",
                 "abandoned", "skipped", "restoring", "loaded", "rolled_back", "reshaped",
-                "retention", "swept", "cleanup_failed"), path, blocked_s, cause, detail,
-                durable ("restoring": false when restored from the local-complete copy), source
+                "retention", "swept", "cleanup_failed"; rank 0 only: "held_in_memory", a
+                memory-only snapshot, no files, with blocked_s; "memory_snapshots_off" with cause
+                and detail, step -1), path, blocked_s, cause, detail,
+                durable ("restoring": false when restored from the local-complete copy or a
+                memory-only snapshot), source
                 ("restoring": "node_memory", "local" or "store", engine_io.RestorePlan) (the
                 phases' meaning: daemon/reports.py; the two commits: checkpoints/local_complete.py)
     fault       cause ("nan", "spike", "oom", "injected_<FaultKind>", ...), step, detail
