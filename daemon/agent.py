@@ -19,8 +19,10 @@ Workers are forked, not exec'd: the agent runs its entry as a function under tor
 multiprocessing context with the "forkserver" start method, and the forkserver imports torch,
 DeepSpeed and the trainer once (TRAINER_PRELOAD). A worker (re)start then costs a fork instead of
 ~4 CPU-seconds of imports per rank (on a 2-core machine a 4-rank group started in ~10 s); no
-CUDA is touched before the fork. Each worker sets its process title (daemon/procs.py
-WorkerTitle) so that `ps` and the daemon still see which job and rank it is.
+CUDA is touched before the fork. The forkserver is started first thing, so that its imports
+overlap the agent's own and its rendezvous (a worker's first start came 1.2 s sooner on CPU).
+Each worker sets its process title (daemon/procs.py WorkerTitle) so that `ps` and the daemon
+still see which job and rank it is.
 
 The workers' errors come from torch elastic's error files (the worker's `@record`), not from
 their stderr. On its way out the agent writes `control/agent-<attempt>.exit` (JSON: exit_code,
@@ -95,17 +97,20 @@ def _agent_class(extensions: tuple[Path, Path] | None) -> type:
 
 
 def run(spec: AgentSpec) -> tuple[int, str]:
-    import torch.distributed.launcher.api as launcher_api
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
     from .extension_cache import warm_root
 
     extensions = None
     if spec.extensions_dir:
         extensions = (Path(spec.extensions_dir), warm_root(spec.warm_extensions_dir))
-        os.environ["TORCH_EXTENSIONS_DIR"] = spec.extensions_dir  # the workers inherit it
+        # the workers inherit it from the forkserver, which is started next
+        os.environ["TORCH_EXTENSIONS_DIR"] = spec.extensions_dir
+    module = spec.worker_module
+    _start_forkserver(list(TRAINER_PRELOAD) if module == WORKER_MODULE else [])
+    import torch.distributed.launcher.api as launcher_api
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
     # launch_agent builds the agent from this module-level name: the one place to swap it
     setattr(launcher_api, "LocalElasticAgent", _agent_class(extensions))  # noqa: B010
     config = LaunchConfig(
@@ -123,11 +128,6 @@ def run(spec: AgentSpec) -> tuple[int, str]:
         logs_specs=DefaultLogsSpecs(log_dir=spec.log_dir, redirects=Std.ALL),
         local_addr=spec.local_addr,
     )
-    module = spec.worker_module
-    # what the forkserver imports once, for every worker it forks; a stand-in worker module is
-    # not preloaded (importing it runs it)
-    multiprocessing.set_forkserver_preload(list(TRAINER_PRELOAD) if module == WORKER_MODULE
-                                           else [])
     try:
         elastic_launch(config, run_module_as_main)(module, spec.run_dir, *spec.worker_args)
     except ChildFailedError as e:
@@ -140,6 +140,18 @@ def run(spec: AgentSpec) -> tuple[int, str]:
 # of it initialises CUDA: a forked child could not use it then.
 TRAINER_PRELOAD = ("torch", "torch._dynamo", "ds3d.trainer.worker", "ds3d.trainer.loop",
                    "ds3d.daemon.agent")
+
+
+def _start_forkserver(preload: list[str]) -> None:
+    """Starts the forkserver now, with what it imports once for every worker it forks (a
+    stand-in worker module is not preloaded: importing it runs it), so that its imports
+    (~5-8 s of torch, DeepSpeed and the trainer) overlap the agent's own import of torch and
+    its rendezvous instead of following them: torch elastic's "forkserver" start method uses
+    this same server once the group starts (multiprocessing's one forkserver per process)."""
+    from multiprocessing import forkserver
+
+    multiprocessing.set_forkserver_preload(preload)
+    forkserver.ensure_running()
 
 
 def run_module_as_main(module: str, run_dir: str, *args: str) -> None:
