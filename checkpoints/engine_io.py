@@ -443,7 +443,8 @@ class CheckpointManager:
                                                  load_optimizer_states=True,
                                                  load_lr_scheduler_states=True)
         elif plan.source in ("memory", "node_memory"):
-            with self.snapshot.serving_held(plan.peers, self.device) as stand_ins:
+            with self.snapshot.serving_held(plan.peers, self.device,
+                                             tag=plan.tag) as stand_ins:
                 path, _ = engine.load_checkpoint(stand_ins, tag=plan.tag,
                                                  load_optimizer_states=True,
                                                  load_lr_scheduler_states=True)

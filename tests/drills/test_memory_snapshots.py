@@ -136,3 +136,31 @@ def test_a_crash_restarts_from_the_memory_only_snapshot_in_node_memory(tmp_path:
 
     torchrun(ref, 4, sets=SETS, timeout=500)
     _assert_same_run(run, ref)
+
+
+SPIKE_SETS = ["train.steps=12", "train.warmup_steps=2", "parallel.tp=2", "parallel.pp=2",
+              "checkpoint.interval=4", "checkpoint.memory_interval=2",
+              "faults.spike_policy=rollback", "faults.spike_window=5", "faults.spike_mads=20"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_spike_rolls_back_to_a_memory_snapshot_older_than_a_suspect_durable_save(
+        tmp_path: Path) -> None:
+    """A spike from step 7 on rank 3, declared at step 9 (patience 3): steps 7-9 are suspect,
+    so step 8's durable save is too. The held snapshots are step 8's (durable) and step 6's
+    (memory-only): the rollback reads step 6 from memory, deletes step 8's checkpoint first
+    (a restart must never restore it), and the run equals one that skipped batches 6-8."""
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    _inject(run, kind="spike", rank=3, at_step=7)
+    torchrun(run, 4, sets=SPIKE_SETS, timeout=500)
+    assert [(f["cause"], f["step"]) for f in records(run, 0, "fault")] == [("spike", 9)]
+    [rec] = records(run, 0, "recovery")
+    assert (rec["source"], rec["recovered_to"], rec["dropped_checkpoints"]) == (
+        "memory", 6, [8]), rec
+    assert rec["skipped_batches"] == [6, 9]  # batches 6..8 fed steps 7..9
+    held = [r["step"] for r in records(run, 0, "checkpoint")
+            if r.get("phase") == "held_in_memory"]
+    assert held == [2, 6, 10], held  # 4 and 8 are durable saves (8 again after the rollback)
+    torchrun(ref, 4, sets=SPIKE_SETS + ["data.skip_batches=[[6, 9]]"], timeout=500)
+    _assert_same_run(run, ref)
