@@ -139,7 +139,7 @@ RESTORE_SOURCES = {"node_memory": "node memory (the crashed workers' newest snap
 MEMORY_SNAPSHOT_PHASES = {
     "held_in_memory": "step {step} held in memory only (a memory-only snapshot for rollbacks "
                       "and crash restarts, no files; training blocked {blocked_s} s)",
-    "memory_snapshots_off": "memory-only snapshots off for this run: {detail}",
+    "memory_snapshots_off": "{detail}",  # names the setting, that it is off and why
 }
 
 # Checkpoint phases that enter the checkpoint index ("uploaded", "reshaped", "swept" are

@@ -40,3 +40,21 @@ def test_the_restoring_event_names_its_source() -> None:
                               source="node_memory", durable=False))
     assert ev is not None and ev["message"].startswith("checkpoint step 6 restoring from node "
                                                        "memory")
+
+
+def test_memory_only_snapshot_records_read_as_what_they_are() -> None:
+    """`held_in_memory` (checkpoint.memory_interval) and `memory_snapshots_off` are events with
+    a message of their own, never rows of the checkpoint index (no files to list)."""
+    from ds3d.daemon.reports import INDEXED_PHASES
+
+    held = record_to_event(_rec("checkpoint", 1.0, step=8, phase="held_in_memory",
+                                blocked_s=0.0123))
+    assert held is not None and held["message"] == (
+        "step 8 held in memory only (a memory-only snapshot for rollbacks and crash restarts, "
+        "no files; training blocked 0.0123 s)")
+    off = record_to_event(_rec("checkpoint", 1.0, step=-1, phase="memory_snapshots_off",
+                               cause="data_parallel", detail="checkpoint.memory_interval = 2 "
+                               "is off for this run: data-parallel size > 1"))
+    assert off is not None and off["message"] == (
+        "checkpoint.memory_interval = 2 is off for this run: data-parallel size > 1")
+    assert not {"held_in_memory", "memory_snapshots_off"} & set(INDEXED_PHASES)
