@@ -743,7 +743,10 @@ GOODPUT_WINDOW_S = 360.0  # training time measured in the faulty run
 GOODPUT_REFERENCE_S = 60.0  # ... and in the fault-free run of the same invocation
 GOODPUT_SETS = ["checkpoint.keep_last=1", "faults.spike_policy=\"rollback\"",
                 "faults.spike_window=20", "faults.spike_mads=20"]
-GOODPUT_INTERVAL = 120  # steps (~34 s of the gpt1b job; a save's write + commit took 44-49 s)
+GOODPUT_INTERVAL = 120  # steps (~34 s of the gpt1b job; a save's write + commit took 20-24 s)
+# memory-only snapshots between the saves (checkpoint.memory_interval): ~Young-Daly's interval
+# for their cost, sqrt(2 x 0.4 s blocked x 120 s between faults) = 10 s, ~34 steps
+GOODPUT_MEMORY_INTERVAL = 30
 QUICK_SCALE = 6  # --quick: times / 6, a save every 3 steps (a CPU smoke test of the section)
 
 
@@ -758,8 +761,9 @@ def _goodput_run(args, name: str, window_s: float, faults: list[tuple[float, str
     shutil.rmtree(run_dir, ignore_errors=True)
     shutil.rmtree(Path(args.work) / "ckpt-run", ignore_errors=True)  # the disk holds ~3 states
     (run_dir / "control").mkdir(parents=True)
-    interval = 3 if args.quick else GOODPUT_INTERVAL
-    cfg = build_cfg(args, GOODPUT_SETS + [f"checkpoint.interval={interval}"])
+    interval, memory = (3, 1) if args.quick else (GOODPUT_INTERVAL, GOODPUT_MEMORY_INTERVAL)
+    cfg = build_cfg(args, GOODPUT_SETS + [f"checkpoint.interval={interval}",
+                                          f"checkpoint.memory_interval={memory}"])
     (run_dir / "job.json").write_text(cfg.dump_json())
     env = dict(os.environ, DS_ACCELERATOR=args.device if args.device == "cuda" else "cpu",
                TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", NCCL_NVLS_ENABLE="0",
@@ -812,10 +816,12 @@ def _goodput_run(args, name: str, window_s: float, faults: list[tuple[float, str
            "goodput_steps_per_s": (last_step - first_step) / window_s,
            "start_to_first_step_s": t_first - t_launch,
            "checkpoint_interval_steps": cfg.checkpoint.interval,
+           "memory_interval_steps": cfg.checkpoint.memory_interval,
            "saves": [r for r in all_recs if r["kind"] == "checkpoint" and
-                     r.get("phase") in ("saved", "local_complete", "committed")
+                     r.get("phase") in ("saved", "local_complete", "committed",
+                                        "held_in_memory", "memory_snapshots_off")
                      and r["time"] <= t_end]}
-    out["saves"] = [{k: r[k] for k in ("phase", "step", "blocked_s", "seconds", "detail",
+    out["saves"] = [{k: r[k] for k in ("phase", "step", "blocked_s", "seconds", "detail", "cause",
                                        "write_s", "hash_wait_s", "hash_s", "read_back_files",
                                        "local_complete_s") if k in r}
                     | {"at_s": round(r["time"] - t_first, 1)} for r in out["saves"]]
