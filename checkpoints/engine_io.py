@@ -457,8 +457,12 @@ class CheckpointManager:
         self._node_held = False
         self.newest_durable = min(self.newest_durable, plan.step)
         # a rollback to another state abandons the newer held copies (saves of the abandoned
-        # timeline): a crash must not restart from them, nor a rollback go back to them
-        self.snapshot.forget_held(unless_tag=plan.tag, older_kept=plan.step)
+        # timeline): a crash must not restart from them, nor a rollback go back to them. An
+        # older one stays only beside a held state restored (after a load from disk it would
+        # be a worse rollback target than that checkpoint)
+        held_plan = plan.source in ("memory", "node_memory")
+        self.snapshot.forget_held(unless_tag=plan.tag,
+                                  older_kept=plan.step if held_plan else None)
 
     # -- save ---------------------------------------------------------------------------------
 
