@@ -139,6 +139,7 @@ class CheckpointManager:
                                                  slots=2 if self.memory_snapshots else 1)
         self._meta: dict[str, tuple[int, CheckpointMeta]] = {}
         self.newest_durable = -1  # the newest durable save of this process's timeline
+        self._room_agreed = False  # the ranks agreed on room for two arenas (`_reserve`)
         # the snapshots a crashed worker held in node memory, mapped back by the first restore
         # plan: restorable until a state is loaded
         self._node_held = False
@@ -488,12 +489,18 @@ class CheckpointManager:
             if why is not None:
                 raise CheckpointError(f"checkpoint.keep_in_node_memory = true, but {why}; "
                                       "set it to \"auto\" or false, or make room there")
-        if self.memory_snapshots:
-            self._agree_room_for_two(nbytes)
-        self.snapshot.reserve_pinned(nbytes, pin=cuda)
+        self._reserve(nbytes, pin=cuda)
         if not cuda:
             self.snapshot.wait_arena()
         return nbytes
+
+    def _reserve(self, nbytes: int, pin: bool) -> None:
+        """Collective: starts reserving the snapshot arenas (the first call counts:
+        `reserve_pinned`), once the ranks agreed whether there is room for two."""
+        if self.memory_snapshots and not self._room_agreed:
+            self._room_agreed = True
+            self._agree_room_for_two(nbytes)
+        self.snapshot.reserve_pinned(nbytes, pin=pin)
 
     def _agree_room_for_two(self, nbytes: int) -> None:
         """Collective, before the arenas are reserved: memory-only snapshots need two arenas
@@ -525,9 +532,11 @@ class CheckpointManager:
         """A restore knows this rank's state size from its files: the snapshot arena is pinned
         from now, alongside the read and the engine build, rather than after the load, where
         page-locking ~20 GB (about 10 s on an H200) held up the first step (`prepare` then
-        finds it under way)."""
-        if self.device.type == "cuda" and state_bytes > 0:
-            self.snapshot.reserve_pinned(int(state_bytes * 1.1) + (64 << 20))
+        finds it under way). Collective (the room for two arenas is agreed first): every rank
+        calls it, one without files of the step with 0."""
+        if self.device.type == "cuda":
+            self._reserve(int(state_bytes * 1.1) + (64 << 20) if state_bytes > 0 else 0,
+                          pin=True)
 
     def save(self, engine: Any, step: int, client_state: dict[str, Any], tokens_seen: int,
              data_position: dict[str, Any], memory_only: bool = False) -> float:

@@ -360,6 +360,9 @@ class SnapshotCheckpointEngine(CheckpointEngine):
     def limit_slots(self, slots: int) -> None:
         """Before the first save and the arena's reservation: keeps only the first `slots`
         slots; the others' snapshots and node memory files go."""
+        if self._arena_thread is not None:
+            raise CheckpointError("internal: the arena slots are limited before their "
+                                  "reservation, not while it runs")
         for slot in self._slots[slots:]:
             self._forget(slot)
             if slot.node is not None:
