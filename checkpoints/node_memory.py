@@ -113,12 +113,16 @@ def job_folder(job_id: str, root: Path | None = None) -> Path:
     return (root or default_root()) / f"{_FOLDER_PREFIX}{job_id}"
 
 
-def remove_job_folder(job_id: str, root: Path | None = None) -> bool:
-    """Removes a job's node-memory folder (ds3dd: the job ended); True when there was one."""
+def remove_job_folder(job_id: str | None, root: Path | None = None) -> bool:
+    """Removes a job's node-memory folder (ds3dd: the job ended; it is RAM), saying so in the
+    log; True when there was one. No job id (a job that never started a worker): nothing."""
+    if not job_id:
+        return False
     folder = job_folder(job_id, root)
     if not folder.exists():
         return False
     shutil.rmtree(folder, ignore_errors=True)
+    log.info("node memory released", job_id=job_id, folder=str(folder))
     return True
 
 

@@ -506,20 +506,14 @@ class Shares:
                                   json.dumps({"time": time.time()}))
         except OSError as e:  # a restarted daemon would report the ended share again
             log.warning("share not marked ended", job=name, error=str(e))
+        # the job ended: its ranks' newest save kept in this node's memory is RAM
+        job_id = local_job_id(jobdir.path) if jobdir is not None else None
         if handle is None or handle.poll() is not None:
-            self._release_node_memory(jobdir)
+            remove_job_folder(job_id)
             return False
         handle.ref.terminate(grace_s=1.0 if now else 30.0)
-        self._release_node_memory(jobdir)
+        remove_job_folder(job_id)
         return True
-
-    @staticmethod
-    def _release_node_memory(jobdir: JobDir | None) -> None:
-        """The job ended: its ranks' newest save kept in this node's memory for a restart
-        (checkpoints/node_memory.py) is RAM, removed."""
-        job_id = local_job_id(jobdir.path) if jobdir is not None else None
-        if job_id and remove_job_folder(job_id):
-            log.info("node memory released", job_id=job_id)
 
     def status(self) -> list[pb.ShareStatus]:
         with self._lock:

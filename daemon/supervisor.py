@@ -729,7 +729,7 @@ class JobSupervisor:
         self._kill_agent(now=True)
         ProcessRef(job.rdzv_pid, job.rdzv_started).terminate(grace_s=2.0)
         self.nodes.stop_shares(self._config(job))
-        release_node_memory(job)
+        remove_job_folder(job.job_id)  # its workers' newest save in /dev/shm: RAM
 
     def _config(self, job: Job) -> JobConfig:
         """The job's configuration, parsed once and held (keyed by the job and the stored
@@ -768,7 +768,7 @@ class Supervisors:
             if job.state not in TERMINAL:
                 self.ensure(job.name)
             else:  # ended while this daemon was down (or before its cleanup finished)
-                release_node_memory(job)
+                remove_job_folder(job.job_id)
 
     def ensure(self, name: str) -> None:
         with self._lock:
