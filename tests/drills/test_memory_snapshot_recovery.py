@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ import torch
 from ds3d.checkpoints.identity import local_job_id
 from ds3d.checkpoints.node_memory import job_folder
 
+from fixtures.bitwise import assert_same
 from support import losses, records, torchrun
 
 STEPS = 12
@@ -40,27 +40,6 @@ def _final_checkpoint(run_dir: Path) -> Path:
     return run_dir / "store" / "tiny" / "ckpt" / f"step-{STEPS:08d}"
 
 
-def _assert_same(a: Any, b: Any, where: str) -> None:
-    """Equal to the bit: tensors by their bytes (dtype and shape too), containers by key,
-    objects without an equality of their own by their attributes."""
-    if torch.is_tensor(a):
-        assert torch.is_tensor(b) and (a.dtype, a.shape) == (b.dtype, b.shape), where
-        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), where
-        for k in a:
-            _assert_same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, list | tuple):
-        assert isinstance(b, list | tuple) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _assert_same(x, y, f"{where}[{i}]")
-    elif hasattr(a, "__dict__") and type(a).__eq__ is object.__eq__:  # e.g. a loss scaler
-        assert type(a) is type(b), where
-        _assert_same(vars(a), vars(b), where)
-    else:
-        assert a == b, (where, a, b)
-
-
 def _assert_same_run(run: Path, ref: Path) -> None:
     """Every step's loss, and every file of the final checkpoint, equal to the bit."""
     want, got = losses(ref), losses(run)
@@ -71,7 +50,7 @@ def _assert_same_run(run: Path, ref: Path) -> None:
     files = sorted(p.relative_to(a).as_posix() for p in a.rglob("*.pt"))
     assert files and files == sorted(p.relative_to(b).as_posix() for p in b.rglob("*.pt"))
     for name in files:
-        _assert_same(torch.load(a / name, weights_only=False),
+        assert_same(torch.load(a / name, weights_only=False),
                      torch.load(b / name, weights_only=False), name)
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from fixtures.bitwise import assert_same
 from support import records, torchrun
 
 BASE = ["train.steps=8", "train.warmup_steps=2", "checkpoint.interval=0"]
@@ -41,27 +42,6 @@ def _steps(run_dir: Path) -> dict[int, tuple[float, float, float]]:
 
 def _checkpoint(run_dir: Path, step: int) -> Path:
     return run_dir / "store" / "tiny" / "ckpt" / f"step-{step:08d}"
-
-
-def _assert_same(a: Any, b: Any, where: str) -> None:
-    """Equal to the bit: tensors by their bytes (dtype and shape too), containers by key,
-    objects without an equality of their own by their attributes."""
-    if torch.is_tensor(a):
-        assert torch.is_tensor(b) and (a.dtype, a.shape) == (b.dtype, b.shape), where
-        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), where
-        for k in a:
-            _assert_same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, list | tuple):
-        assert isinstance(b, list | tuple) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _assert_same(x, y, f"{where}[{i}]")
-    elif hasattr(a, "__dict__") and type(a).__eq__ is object.__eq__:  # e.g. a loss scaler
-        assert type(a) is type(b), where
-        _assert_same(vars(a), vars(b), where)
-    else:
-        assert a == b, (where, a, b)
 
 
 @pytest.mark.slow
@@ -99,7 +79,7 @@ def test_nan_with_a_skipped_update_costs_one_batch_and_equals_a_run_without_it(l
     files = sorted(p.relative_to(a).as_posix() for p in a.rglob("*.pt"))
     assert files and files == sorted(p.relative_to(b).as_posix() for p in b.rglob("*.pt"))
     for name in files:
-        _assert_same(torch.load(a / name, weights_only=False),
+        assert_same(torch.load(a / name, weights_only=False),
                      torch.load(b / name, weights_only=False), name)
     states = torch.load(next(a.rglob("mp_rank_00_model_states.pt")), weights_only=False)
     assert (states["global_steps"], states["skipped_steps"]) == (8, 0)

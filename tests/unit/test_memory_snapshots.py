@@ -13,9 +13,7 @@ newest valid; cleanup removes both slots' files; the config refuses settings tha
 from __future__ import annotations
 
 import os
-import tempfile
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,23 +31,11 @@ from ds3d.checkpoints.snapshot import SnapshotCheckpointEngine
 from ds3d.trainer.config import build_job_config
 from ds3d.trainer.errors import ConfigError
 
-pytest_plugins = ["fixtures.tmpfs"]
+pytest_plugins = ["fixtures.tmpfs", "fixtures.shm"]
 pytestmark = pytest.mark.timeout(60)
 
 FP = Fingerprint(job_id="c" * 32, rank=0, world_size=1, tp=1, pp=1, dp=1, model_hash="m1")
 ARENA = 1 << 20
-
-
-@pytest.fixture
-def shm() -> Iterator[Path]:
-    """A folder in this machine's /dev/shm (a tmpfs), removed after the test."""
-    if no_room(2 * ARENA, Path("/dev/shm")) is not None:
-        pytest.skip(f"/dev/shm cannot take two test arenas: {no_room(2 * ARENA, Path('/dev/shm'))}")
-    root = Path(tempfile.mkdtemp(prefix="ds3d-test-", dir="/dev/shm"))
-    yield root
-    for p in sorted(root.rglob("*"), reverse=True):
-        p.unlink() if not p.is_dir() else p.rmdir()
-    root.rmdir()
 
 
 def _state(scale: float) -> dict[str, object]:

@@ -10,8 +10,6 @@ job, rank and layout with the same arena file. A new engine stands for the resta
 from __future__ import annotations
 
 import os
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,23 +25,11 @@ from ds3d.checkpoints.node_memory import (
 )
 from ds3d.checkpoints.snapshot import SnapshotCheckpointEngine
 
-pytest_plugins = ["fixtures.tmpfs"]
+pytest_plugins = ["fixtures.tmpfs", "fixtures.shm"]
 pytestmark = pytest.mark.timeout(60)
 
 FP = Fingerprint(job_id="a" * 32, rank=1, world_size=4, tp=2, pp=2, dp=1, model_hash="m1")
 ARENA = 1 << 20
-
-
-@pytest.fixture
-def shm() -> Iterator[Path]:
-    """A folder in this machine's /dev/shm (a tmpfs), removed after the test."""
-    if no_room(ARENA, Path("/dev/shm")) is not None:
-        pytest.skip(f"/dev/shm cannot take a test arena: {no_room(ARENA, Path('/dev/shm'))}")
-    root = Path(tempfile.mkdtemp(prefix="ds3d-test-", dir="/dev/shm"))
-    yield root
-    for p in sorted(root.rglob("*"), reverse=True):
-        p.unlink() if not p.is_dir() else p.rmdir()
-    root.rmdir()
 
 
 def _state(scale: float) -> dict:
