@@ -11,9 +11,11 @@ relaunched). When the soak time is up, no new fault and no new job; the running 
 
 Every --sample-s seconds: ds3dd's RSS, open fds and threads; the same for the job's elastic agent
 and (summed) its workers; disk bytes of the state directory, the local checkpoint tiers and the
-store; bytes of report files, logs; rows of the event table (sqlite, read-only). Reported per
-series: the slope per hour over the first and over the second half of the soak (flat after
-warm-up vs. a leak).
+store; bytes of report files, logs; rows of the event table (sqlite, read-only); bytes of the
+workers' snapshot arenas in node memory (/dev/shm). `--set KEY=VALUE` adds job settings (e.g.
+checkpoint.memory_interval=3: memory-only snapshots in both slots through every fault kind).
+Reported per series: the slope per hour over the first and over the second half of the soak
+(flat after warm-up vs. a leak).
 
 Final loss: each job, once completed, is run again fault-free directly with torchrun (the same
 job.json, the store and local tier moved to the reference's folder, `data.skip_batches` = the
@@ -50,6 +52,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fault_bench  # noqa: E402 - the bench folder is not a package
 
+from ds3d.checkpoints import node_memory  # noqa: E402
 from ds3d.trainer.kinds import FaultKind  # noqa: E402
 
 DAEMON_RESTART = "daemon_restart"
@@ -139,7 +142,9 @@ def sample(t0: float, daemon, state_dir: Path, store: Path, run_dir: Path | None
          "report_bytes": tree_bytes(jobs, "*/reports/*.jsonl"),
          "log_bytes": tree_bytes(jobs, "*/logs/**/*") + tree_bytes(state_dir, "*.log*")
          + tree_bytes(state_dir.parent, "*.stdout"),
-         "db_bytes": tree_bytes(state_dir, "ds3d.db*")}
+         "db_bytes": tree_bytes(state_dir, "ds3d.db*"),
+         # the workers' snapshot arenas in node memory (RAM): one job's at most, bounded
+         "node_memory_bytes": tree_bytes(node_memory.default_root(), "ds3d-*/**/*")}
     try:
         s["event_rows"] = event_rows(state_dir)
     except sqlite3.Error as e:
@@ -306,7 +311,7 @@ class Soak:
 
     def start_job(self, n: int) -> dict:
         name = f"soak-{n:02d}"
-        sets = sum((["--set", s] for s in SETS), [])
+        sets = sum((["--set", s] for s in SETS + self.args.set), [])
         r = self.daemon.ctl("start", "tiny", "--name", name, "--tp", "2", "--pp", "2",
                             "--steps", str(self.args.steps_per_job), "--store",
                             f"file://{self.store}", *sets)
@@ -462,7 +467,7 @@ class Soak:
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(self.t0)),
             "command": " ".join(["python", "bench/soak_bench.py", *sys.argv[1:]]),
             "job": f"tiny (2,2,1) gloo, {self.args.steps_per_job} steps per job, "
-                   f"{' '.join(SETS)}, file:// store",
+                   f"{' '.join(SETS + self.args.set)}, file:// store",
             "code_commit": self.args.code_commit, "code_from": str(Path(
                 __import__("ds3d.daemon").daemon.__file__).parent.parent),
             "seed": self.args.seed, "kinds": self.args.kinds,
@@ -486,6 +491,9 @@ def main() -> None:
     ap.add_argument("--sample-s", type=float, default=10.0)
     ap.add_argument("--kinds", type=lambda v: v.split(","), default=KINDS,
                     help=f"comma-separated fault kinds to draw from (default: all, {KINDS})")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a job setting added to the soak's own (e.g. "
+                         "checkpoint.memory_interval=3); repeatable")
     ap.add_argument("--out", type=Path, default=Path("bench/results/soak.json"))
     ap.add_argument("--code-commit", default="",
                     help="recorded as is: the commit of the code under test (a soak can run "
