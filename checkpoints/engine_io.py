@@ -127,7 +127,7 @@ class CheckpointManager:
         # memory-only snapshots between durable saves (`save(memory_only=True)`): two arena
         # slots; turned off where they could never be restored (data-parallel size > 1) or
         # where node memory has room for one arena only (`prepare`)
-        self.memory_snapshots = settings.memory_interval > 0
+        self.memory_snapshots = settings.memory_interval != 0  # N or "auto"
         if self.memory_snapshots and me.dp > 1:
             self._memory_snapshots_off("data_parallel", "data-parallel size > 1: nothing is "
                                        "ever restored from memory (DeepSpeed's data-parallel "

@@ -38,10 +38,11 @@ class CheckpointSettings:
     of this job restores from it (checkpoints/node_memory.py): "auto" where the node has room,
     else process memory as before; True: the same, but a start without room fails; False:
     process memory only."""
-    memory_interval: int = 0
+    memory_interval: int | str = 0
     """Steps between memory-only snapshots (snapshot.py: held in host and node memory, never
-    written), taken between durable saves; 0 = none. On, the snapshot engine keeps two arena
-    slots (twice this rank's state in host memory / node memory)."""
+    written), taken between durable saves, or "auto" (the trainer's clock decides when); 0 =
+    none. On, the snapshot engine keeps two arena slots (twice this rank's state in host
+    memory / node memory)."""
     s3: Mapping[str, float | None] = field(default_factory=dict)
     """`[checkpoint.s3]` transfer settings for an s3:// store (s3_storage.options_from_settings);
     unset (None) fields fall back to ds3dd's DS3D_S3_* environment."""

@@ -472,7 +472,8 @@ def run(args: argparse.Namespace, out: Any = sys.stdout) -> int:
         else:
             jobs = list(client.call("ListJobs", pb.ListJobsRequest(
                 include_finished=c == "status" or args.all)).jobs)
-        # checkpoint.interval = "auto": the newest interval and what it was computed from
+        # checkpoint.interval / memory_interval = "auto": the newest intervals and what they
+        # were computed from (one record carries both)
         interval = _newest_event(client, args.job, EventKind.CHECKPOINT_INTERVAL) \
             if c == "status" and args.job else None
         if args.json:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -118,15 +119,56 @@ def record_to_event(rec: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def describe_interval(rec: dict[str, Any]) -> str:
-    """A `checkpoint_interval` record (trainer/checkpoint_interval.py) in one line."""
+    """A `checkpoint_interval` record (trainer/checkpoint_interval.py) in one line: the
+    durable interval ("auto"), the memory-only one (`memory_` keys, memory_interval "auto"),
+    or both."""
     def f(key: str) -> float:
         return _num(rec.get(key)) or 0.0
-    guess = "" if rec.get("measured") else ", initial guess until a save commits"
-    return (f"checkpoint every {f('interval_s'):.0f} s = max(sqrt(2 x C {f('save_cost_s'):.1f} s"
+
+    parts = []
+    if "interval_s" in rec:
+        guess = "" if rec.get("measured") else ", initial guess until a save commits"
+        parts.append(
+            f"checkpoint every {f('interval_s'):.0f} s = max(sqrt(2 x C {f('save_cost_s'):.1f} s"
             f" x MTBF {f('mtbf_s') / 3600:.2f} h), commit {f('commit_s'):.1f} s); C = blocked "
             f"{f('blocked_s'):.2f} s + commit {f('commit_s'):.1f} s{guess}; MTBF from "
             f"{int(f('failures'))} failure(s) in {f('observed_s') / 3600:.2f} h running and a "
             f"prior of {f('mtbf_prior_s') / 3600:.1f} h")
+    if "memory_interval_s" in rec:
+        parts.append(describe_memory_interval(rec, f))
+    return "; ".join(parts) if parts else json.dumps(rec)[:200]
+
+
+def _duration(seconds: float) -> str:
+    """Seconds as a person reads them: a snapshot interval can be 0.2 s or 2 h."""
+    if seconds < 120:
+        return f"{seconds:.3g} s"
+    return f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.2f} h"
+
+
+# where a memory-only snapshot's cost C_mem came from (MemoryIntervalDecision.cost_source)
+MEMORY_COST_SOURCES = {
+    "memory": "the running mean of {n} memory-only snapshot(s) blocking training",
+    "durable": "the newest durable save's blocked time, until a memory-only snapshot is measured",
+    "unmeasured": "not measured yet: a memory-only snapshot is taken at once to measure it",
+}
+
+
+def describe_memory_interval(rec: dict[str, Any], f: Callable[[str], float]) -> str:
+    """The memory-only snapshot interval (`memory_` keys, trainer/checkpoint_interval.py
+    `MemoryIntervalDecision`) and what it was decided from, in one line."""
+    source = MEMORY_COST_SOURCES.get(str(rec.get("memory_cost_source")), "?").format(
+        n=int(f("memory_snapshots")))
+    durable = f("memory_durable_s")
+    bound = (f"capped at the durable interval {_duration(durable)} (none taken: the next "
+             "durable save comes first)" if rec.get("memory_capped") else
+             f"at least one step {_duration(f('memory_step_s'))}, at most the durable interval "
+             + (_duration(durable) if durable else "(not known yet)"))
+    return (f"memory-only snapshot every {_duration(f('memory_interval_s'))} = sqrt(2 x C_mem "
+            f"{f('memory_snapshot_cost_s'):.3f} s x MTBF {_duration(f('memory_mtbf_s'))}) = "
+            f"{_duration(f('memory_young_daly_s'))}, {bound}; C_mem = {source}; MTBF from "
+            f"{int(f('memory_failures'))} failure(s) in {_duration(f('memory_observed_s'))} "
+            f"running and a prior of {_duration(f('memory_mtbf_prior_s'))}")
 
 
 # Where a restart's restore reads its checkpoint (`restoring` records: engine_io.RestorePlan)

@@ -18,8 +18,18 @@ The inputs, as ds3d measures them:
 * tau is never shorter than the time to commit: a save started before the previous one is
   durable only queues behind it (uploads are serialised) and buys no safety.
 
-`AutoInterval` lives on rank 0 only; its verdict ("a save is due") goes to every rank through
-the loop's per-step all-reduce, so all ranks save at the same step.
+`checkpoint.memory_interval = "auto"` (`MemoryInterval`) applies the same optimum to the
+memory-only snapshots taken between durable saves: tau_mem = sqrt(2 * C_mem * MTBF), with the
+same MTBF (one `FailureReading`) and C_mem = the time a memory-only snapshot blocks training,
+a running mean (EWMA) of rank 0's measured ones. Before the first, the newest durable save's
+blocked time stands in (the same copy into the same kind of arena); before any save, C_mem is
+unknown and the first snapshot is taken at the first step, to measure it. tau_mem is never
+shorter than one step (the loop decides once a step) and is capped at the durable interval:
+a memory-only snapshot no sooner than the next durable save is pointless.
+
+Both clocks live on rank 0 only; their verdicts ("a save is due", "a memory-only snapshot is
+due") go to every rank through the loop's per-step all-reduce, so all ranks save or hold at
+the same step.
 """
 
 from __future__ import annotations
@@ -68,21 +78,55 @@ class IntervalDecision:
         return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in asdict(self).items()}
 
 
+class FailureReading:
+    """The job's failure history as the daemon publishes it (control/failures.json) and the
+    MTBF it gives with the configured prior: the one reading both "auto" clocks (the durable
+    interval, `AutoInterval`, and the memory-only one, `MemoryInterval`) compute from, so
+    they agree on the MTBF. Re-read at most every `reread_s` seconds."""
+
+    def __init__(self, control_dir: Path, prior_hours: float, reread_s: float = 10.0) -> None:
+        self.path = control_dir / FAILURES_FILE
+        self.prior_s = prior_hours * 3600.0
+        self.failures, self.observed_s = 0, 0.0
+        self.reread_s, self._read_at = reread_s, -math.inf
+
+    def read(self, now: float | None = None) -> bool:
+        """Re-reads the daemon's failure history; True when it changed."""
+        now = time.monotonic() if now is None else now
+        if now - self._read_at < self.reread_s:
+            return False
+        self._read_at = now
+        try:
+            data = json.loads(self.path.read_text())
+            failures, observed = int(data["failures"]), float(data["observed_s"])
+        except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+            return False  # no daemon (plain torchrun) or a file mid-replace: keep what we have
+        if failures < 0 or not math.isfinite(observed) or observed < 0:
+            return False
+        changed = failures != self.failures
+        self.failures, self.observed_s = failures, observed
+        return changed
+
+    def mtbf_s(self) -> float:
+        return mtbf_estimate(self.prior_s, self.failures, self.observed_s)
+
+
+def moved(new: float, old: float) -> bool:
+    """An interval worth a new report: more than 10% away from the one in force."""
+    return abs(new - old) > 0.1 * max(old, 1e-9)
+
+
 class AutoInterval:
     """Rank 0's clock for `checkpoint.interval = "auto"`.
 
     `due(now)` says whether the newest save is older than the current interval. The save
     cost is measured on each save (`saved`, then `committed` from the upload thread); the
-    failure history is re-read from the daemon's file at most every `reread_s` seconds.
+    failure history is the shared `FailureReading` (the caller re-reads it).
     """
 
-    def __init__(self, control_dir: Path, prior_hours: float, initial_cost_s: float,
-                 reread_s: float = 10.0) -> None:
-        self.path = control_dir / FAILURES_FILE
-        self.prior_s = prior_hours * 3600.0
+    def __init__(self, history: FailureReading, initial_cost_s: float) -> None:
+        self.history = history
         self.blocked_s, self.commit_s, self.measured = 0.0, initial_cost_s, False
-        self.failures, self.observed_s = 0, 0.0
-        self.reread_s, self._read_at = reread_s, -math.inf
         self.last_save = time.monotonic()  # the start counts as a save: restore point or step 0
         self._pending: dict[int, float] = {}  # step -> monotonic time of its save
         self._lock = threading.Lock()
@@ -105,33 +149,16 @@ class AutoInterval:
             if started is not None:
                 self.commit_s, self.measured = max(0.0, now - started), True
 
-    def read_failures(self, now: float | None = None) -> bool:
-        """Re-reads the daemon's failure history; True when it changed."""
-        now = time.monotonic() if now is None else now
-        if now - self._read_at < self.reread_s:
-            return False
-        self._read_at = now
-        try:
-            data = json.loads(self.path.read_text())
-            failures, observed = int(data["failures"]), float(data["observed_s"])
-        except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError, ValueError):
-            return False  # no daemon (plain torchrun) or a file mid-replace: keep what we have
-        if failures < 0 or not math.isfinite(observed) or observed < 0:
-            return False
-        changed = failures != self.failures
-        self.failures, self.observed_s = failures, observed
-        return changed
-
     # -- the decision -------------------------------------------------------------------------
 
     def _decide(self) -> IntervalDecision:
-        cost = self.blocked_s + self.commit_s
-        mtbf = mtbf_estimate(self.prior_s, self.failures, self.observed_s)
+        cost, h = self.blocked_s + self.commit_s, self.history
+        mtbf = h.mtbf_s()
         yd = young_daly(cost, mtbf)
         return IntervalDecision(
             interval_s=max(yd, self.commit_s), young_daly_s=yd, save_cost_s=cost,
             blocked_s=self.blocked_s, commit_s=self.commit_s, mtbf_s=mtbf,
-            mtbf_prior_s=self.prior_s, failures=self.failures, observed_s=self.observed_s,
+            mtbf_prior_s=h.prior_s, failures=h.failures, observed_s=h.observed_s,
             measured=self.measured)
 
     def update(self) -> IntervalDecision | None:
@@ -140,8 +167,8 @@ class AutoInterval:
         with self._lock:
             new = self._decide()
         old = self.decision
-        moved = abs(new.interval_s - old.interval_s) > 0.1 * max(old.interval_s, 1e-9)
-        if moved or new.measured != old.measured or new.failures != old.failures:
+        if (moved(new.interval_s, old.interval_s) or new.measured != old.measured
+                or new.failures != old.failures):
             self.decision = new
             return new
         return None
@@ -149,3 +176,115 @@ class AutoInterval:
     def due(self, now: float | None = None) -> bool:
         now = time.monotonic() if now is None else now
         return now - self.last_save >= self.decision.interval_s
+
+
+# weight of the newest measurement in the running means of a snapshot's cost and the step time
+EWMA_WEIGHT = 0.25
+
+
+def ewma(mean: float | None, sample: float, weight: float = EWMA_WEIGHT) -> float:
+    """Running mean that follows a drift (pinned memory warming up, a busier node) within a
+    few samples; the first sample is taken as is."""
+    return sample if mean is None else (1.0 - weight) * mean + weight * sample
+
+
+@dataclass(frozen=True)
+class MemoryIntervalDecision:
+    """One computation of the memory-only snapshot interval and its inputs. Reported inside
+    the `checkpoint_interval` record with every key prefixed `memory_` (beside the durable
+    interval's keys when that one is "auto" too)."""
+
+    interval_s: float  # seconds between snapshots: Young-Daly, at least one step, at most durable
+    young_daly_s: float  # sqrt(2 C_mem MTBF) before the floor and the cap
+    snapshot_cost_s: float  # C_mem: training blocked per snapshot (0 while unknown)
+    cost_source: str  # "memory" (memory-only snapshots measured), "durable" (the newest durable
+    #                   save's blocked time), "unmeasured" (none yet: one is due to measure it)
+    snapshots: int  # memory-only snapshots measured so far (by rank 0, this process)
+    step_s: float  # running mean of a step's time: the floor (0 before the first step)
+    durable_s: float  # the durable interval in seconds: the cap (0 while unknown)
+    capped: bool  # Young-Daly reached the durable interval: no memory-only snapshot pays
+    mtbf_s: float  # the posterior MTBF used (the durable clock's FailureReading)
+    mtbf_prior_s: float
+    failures: int
+    observed_s: float
+
+    def record(self) -> dict[str, float | int | bool | str]:
+        return {f"memory_{k}": (round(v, 4) if isinstance(v, float) else v)
+                for k, v in asdict(self).items()}
+
+
+class MemoryInterval:
+    """Rank 0's clock for `checkpoint.memory_interval = "auto"`.
+
+    `due(now)` says whether the newest snapshot (memory-only or durable) is older than tau_mem.
+    `held` measures a memory-only snapshot, `saved` takes note of a durable one (a stand-in
+    cost until a memory-only one is measured, and a restore point all the same), `stepped`
+    the step time; `update(durable_s)` recomputes against the durable interval in seconds.
+    """
+
+    def __init__(self, history: FailureReading) -> None:
+        self.history = history
+        self.memory_cost_s: float | None = None  # running mean of memory-only snapshots
+        self.durable_blocked_s: float | None = None  # the newest durable save's blocked time
+        self.snapshots = 0
+        self.step_s: float | None = None
+        self.durable_s = 0.0
+        self.last_snapshot = time.monotonic()  # the start counts: restore point or step 0
+        self.decision = self._decide()
+
+    # -- measurements -------------------------------------------------------------------------
+
+    def held(self, blocked_s: float, now: float | None = None) -> None:
+        self.last_snapshot = time.monotonic() if now is None else now
+        self.memory_cost_s = ewma(self.memory_cost_s, max(0.0, blocked_s))
+        self.snapshots += 1
+
+    def saved(self, blocked_s: float, now: float | None = None) -> None:
+        self.last_snapshot = time.monotonic() if now is None else now
+        self.durable_blocked_s = max(0.0, blocked_s)
+
+    def stepped(self, seconds: float) -> None:
+        if math.isfinite(seconds) and seconds > 0:
+            self.step_s = ewma(self.step_s, seconds)
+
+    # -- the decision -------------------------------------------------------------------------
+
+    def _cost(self) -> tuple[float, str]:
+        if self.memory_cost_s is not None:
+            return self.memory_cost_s, "memory"
+        if self.durable_blocked_s is not None:
+            return self.durable_blocked_s, "durable"
+        return 0.0, "unmeasured"
+
+    def _decide(self) -> MemoryIntervalDecision:
+        cost, source = self._cost()
+        h, step = self.history, self.step_s or 0.0
+        mtbf = h.mtbf_s()
+        yd = young_daly(cost, mtbf)
+        interval = max(yd, step)
+        capped = self.durable_s > 0 and interval >= self.durable_s
+        if capped:
+            interval = self.durable_s
+        return MemoryIntervalDecision(
+            interval_s=interval, young_daly_s=yd, snapshot_cost_s=cost, cost_source=source,
+            snapshots=self.snapshots, step_s=step, durable_s=self.durable_s, capped=capped,
+            mtbf_s=mtbf, mtbf_prior_s=h.prior_s, failures=h.failures, observed_s=h.observed_s)
+
+    def update(self, durable_s: float) -> MemoryIntervalDecision | None:
+        """Recomputes tau_mem under a durable interval of `durable_s` seconds (0: not known
+        yet); returns the new decision when it moved by more than 10% or its inputs changed
+        kind (where the cost comes from, a new failure, capped or not), else None."""
+        self.durable_s = max(0.0, durable_s)
+        new, old = self._decide(), self.decision
+        if (moved(new.interval_s, old.interval_s) or new.cost_source != old.cost_source
+                or new.failures != old.failures or new.capped != old.capped):
+            self.decision = new
+            return new
+        return None
+
+    def due(self, now: float | None = None) -> bool:
+        """A memory-only snapshot is due: the newest snapshot is older than tau_mem, and tau_mem
+        is short of the durable interval (capped, the next durable save comes first)."""
+        now = time.monotonic() if now is None else now
+        d = self.decision
+        return not d.capped and now - self.last_snapshot >= d.interval_s

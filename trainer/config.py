@@ -280,13 +280,16 @@ class CheckpointConfig(_Section):
     interval: Annotated[int, Field(ge=0, le=10**9)] | Literal["auto"] = Field(
         default=0, description='save every N steps (0 = only on demand), or "auto": every '
         "sqrt(2 * save cost * MTBF) seconds (Young-Daly; trainer/checkpoint_interval.py)")
-    memory_interval: int = Field(
-        default=0, ge=0, le=10**9, description="take a memory-only snapshot every N steps "
+    memory_interval: Annotated[int, Field(ge=0, le=10**9)] | Literal["auto"] = Field(
+        default=0, description="take a memory-only snapshot every N steps "
         "between durable saves (0 = none): held in host memory and node memory (/dev/shm), "
         "never written, so a NaN or spike rollback or a crash restart loses at most N steps "
         "instead of a whole interval; costs a second snapshot arena (2x this rank's state in "
         "host memory and /dev/shm). Smaller than an integer interval; skipped with "
-        "data-parallel size > 1 (checkpoints/snapshot.py)")
+        'data-parallel size > 1 (checkpoints/snapshot.py). "auto": every sqrt(2 * snapshot '
+        "cost * MTBF) seconds, at least one step, at most the durable interval (Young-Daly "
+        "with the measured blocked time of a memory-only snapshot and the MTBF of "
+        'interval = "auto"; trainer/checkpoint_interval.py)')
     auto_mtbf_prior_hours: float = Field(
         default=6.0, gt=0, le=10**5, allow_inf_nan=False, description='interval = "auto": the '
         "mean time between failures assumed before any is observed (counts as one failure in "
@@ -774,6 +777,18 @@ def _memory_interval_problems(c: CheckpointConfig) -> list[str]:
     than `memory_interval` steps apart."""
     memory, interval = c.memory_interval, c.interval
     if memory == 0:
+        return []
+    if memory == "auto":
+        if interval == 0:
+            return ['checkpoint.memory_interval="auto" takes memory-only snapshots between '
+                    "durable saves, but checkpoint.interval=0 makes none (only on demand); set "
+                    'checkpoint.interval to "auto" or an integer step count (e.g. 100), or '
+                    "memory_interval = 0"]
+        if interval == 1:
+            return ['checkpoint.memory_interval="auto" takes memory-only snapshots between '
+                    "durable saves, but checkpoint.interval=1 saves every step durably: there "
+                    'is no step between them; set checkpoint.interval to "auto" or above 1, '
+                    "or memory_interval = 0"]
         return []
     if interval == 0:
         return [f"checkpoint.memory_interval={memory} takes memory-only snapshots between "

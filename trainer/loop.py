@@ -2,10 +2,11 @@
 recover from bad steps.
 
 All ranks take every decision together. Once per step one small all-reduce (MAX) carries
-[command id, command action, bad-step flag, spike flag, checkpoint due, update applied]: rank 0
-contributes the daemon's newest command, every rank its own verdict on the step (NaN/Inf loss or
-gradient norm, loss spike) and whether its optimizer applied the step's update. So a command or
-a fault is acted on by every rank at the same step, and no rank decides alone.
+[command id, command action, bad-step flag, spike flag, checkpoint due, update applied,
+memory-only snapshot due]: rank 0 contributes the daemon's newest command and the "auto"
+intervals' word, every rank its own verdict on the step (NaN/Inf loss or gradient norm, loss
+spike) and whether its optimizer applied the step's update. So a command or a fault is acted on
+by every rank at the same step, and no rank decides alone.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch.distributed as dist
 
 from ds3d.checkpoints.engine_io import CheckpointManager, Rank
 
-from .checkpoint_interval import AutoInterval
+from .checkpoint_interval import AutoInterval, FailureReading, MemoryInterval
 from .config import JobConfig
 from .data import batch_index
 from .engine import StepResult, TrainStep
@@ -80,10 +81,14 @@ class Trainer:
         self.spikes, self.budget = SpikeDetector(cfg.faults), RollbackBudget(cfg.faults)
         self.fp16_skips = 0
         self._memory_waits_told = False  # a memory snapshot was skipped for the arenas
-        c = cfg.checkpoint  # interval "auto": rank 0 keeps the clock, every rank saves on its word
-        self.auto = AutoInterval(run_dir / "control", c.auto_mtbf_prior_hours,
-                                 c.auto_initial_save_cost_s) \
-            if c.interval == "auto" and env.rank == 0 else None
+        # interval / memory_interval "auto": rank 0 keeps the clocks (one failure reading for
+        # both), every rank saves or holds on their word
+        c, rank0 = cfg.checkpoint, env.rank == 0
+        self.failures = FailureReading(run_dir / "control", c.auto_mtbf_prior_hours)
+        self.auto = AutoInterval(self.failures, c.auto_initial_save_cost_s) \
+            if c.interval == "auto" and rank0 else None
+        self.memory_auto = MemoryInterval(self.failures) \
+            if c.memory_interval == "auto" and rank0 else None
         self.ckpt = CheckpointManager(
             cfg.checkpoint_settings(), run_dir,
             Rank(env.rank, env.world_size, env.local_rank, layout.tp_size, layout.pp_size,
@@ -171,6 +176,8 @@ class Trainer:
         self.saved_step = self.step
         if self.auto is not None:
             self.auto.saved(self.step, blocked)
+        if self.memory_auto is not None:
+            self.memory_auto.saved(blocked)
         self.reporter.emit(RecordKind.CHECKPOINT, step=self.step, phase="saved",
                            blocked_s=round(blocked, 4))
         if self.tb is not None:
@@ -195,6 +202,8 @@ class Trainer:
         if self.env.rank == 0:
             self.reporter.emit(RecordKind.CHECKPOINT, step=self.step, phase="held_in_memory",
                                blocked_s=round(blocked, 4))
+        if self.memory_auto is not None:
+            self.memory_auto.held(blocked)
         if self.tb is not None:
             self.tb.scalar("checkpoint/held_blocked_s", blocked, self.step)
 
@@ -204,15 +213,45 @@ class Trainer:
             self.auto.committed(int(fields["step"]))
         self.reporter.emit(kind, **fields)
 
-    def _checkpoint_due(self) -> bool:
-        """Rank 0, interval "auto": is the newest save older than the Young-Daly interval?
-        Every change of the interval is reported with its inputs (ds3dctl status shows it)."""
-        if self.auto is None:
-            return False
-        self.auto.read_failures()
-        if (decision := self.auto.update()) is not None:
-            self.reporter.emit(RecordKind.CHECKPOINT_INTERVAL, step=self.step, **decision.record())
-        return self.auto.due()
+    def _intervals_due(self) -> tuple[bool, bool]:
+        """Rank 0, interval / memory_interval "auto": (is the newest save older than the
+        Young-Daly interval, is the newest snapshot older than the memory-only one). Every
+        change of either is reported with its inputs, in one `checkpoint_interval` record that
+        carries both (ds3dctl status shows the newest)."""
+        memory = self.memory_auto if self.ckpt.memory_snapshots else None
+        if self.auto is None and memory is None:
+            return False, False
+        if self._update_intervals():
+            self._report_intervals()
+        return (self.auto is not None and self.auto.due(),
+                memory is not None and memory.due())
+
+    def _update_intervals(self) -> bool:
+        """Re-reads the failure history (shared by both clocks) and recomputes each "auto"
+        interval; True when either changed enough to report."""
+        self.failures.read()
+        changed = self.auto is not None and self.auto.update() is not None
+        if self.memory_auto is not None and self.ckpt.memory_snapshots:
+            changed = self.memory_auto.update(self._durable_interval_s()) is not None or changed
+        return changed
+
+    def _durable_interval_s(self) -> float:
+        """The durable interval in seconds, the memory-only one's cap: the "auto" clock's, or
+        an integer interval's steps at the measured step time (0 while unknown)."""
+        if self.auto is not None:
+            return self.auto.decision.interval_s
+        every = self.cfg.checkpoint.interval
+        step_s = self.memory_auto.step_s if self.memory_auto is not None else None
+        return every * step_s if isinstance(every, int) and step_s is not None else 0.0
+
+    def _report_intervals(self) -> None:
+        fields: dict[str, Any] = {}
+        if self.auto is not None:
+            fields.update(self.auto.decision.record())
+        if self.memory_auto is not None and self.ckpt.memory_snapshots:
+            fields.update(self.memory_auto.decision.record())
+        if fields:
+            self.reporter.emit(RecordKind.CHECKPOINT_INTERVAL, step=self.step, **fields)
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -229,18 +268,19 @@ class Trainer:
         return not finite, spike
 
     def _agree(self, bad: bool = False, spike: bool = False,
-               applied: bool = False) -> tuple[int, int, bool, bool, bool, bool]:
+               applied: bool = False) -> tuple[int, int, bool, bool, bool, bool, bool]:
         """The one per-step collective: [command id, action, bad step, spike, checkpoint due,
-        update applied], MAX over ranks (rank 0 alone contributes the command and the "auto"
-        interval's word). The last is true when any rank's optimizer applied the step's update:
-        false means every rank skipped it, which a bad step can recover from in place."""
+        update applied, memory-only snapshot due], MAX over ranks (rank 0 alone contributes
+        the command and the "auto" intervals' word). "Applied" is true when any rank's
+        optimizer applied the step's update: false means every rank skipped it, which a bad
+        step can recover from in place."""
         cid, action = self.inbox.poll() if self.env.rank == 0 else (0, 0)
-        due = self._checkpoint_due()
-        flags = torch.tensor([cid, action, int(bad), int(spike), int(due), int(applied)],
-                             dtype=torch.long, device=self.device)
+        due, hold = self._intervals_due()
+        flags = torch.tensor([cid, action, int(bad), int(spike), int(due), int(applied),
+                              int(hold)], dtype=torch.long, device=self.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         return (int(flags[0]), int(flags[1]), bool(flags[2]), bool(flags[3]), bool(flags[4]),
-                bool(flags[5]))
+                bool(flags[5]), bool(flags[6]))
 
     def _recover(self, cause: str, r: StepResult, applied: bool) -> str | None:
         """Policy for a bad step (collective): undo it in place when no rank's optimizer applied
@@ -316,6 +356,8 @@ class Trainer:
         self.spikes.reset()
         if self.auto is not None:  # back at a checkpoint: no work at risk
             self.auto.last_save = time.monotonic()
+        if self.memory_auto is not None:
+            self.memory_auto.last_snapshot = time.monotonic()
         if self.tb is not None:
             self.tb.scalar(f"faults/rollback_{cause}", 1, failed)
         self.reporter.emit(RecordKind.RECOVERY, cause=cause, step=failed, recovered_to=plan.step,
@@ -432,8 +474,10 @@ class Trainer:
     def run(self) -> str:
         """Trains to the configured step count; returns why it ended."""
         steps, interval = self.cfg.train.steps, self.cfg.checkpoint.interval
-        # memory-only snapshots between durable saves (off where the manager turned them off)
+        # memory-only snapshots between durable saves (off where the manager turned them off):
+        # every N steps, or "auto" (rank 0's clock, agreed in `_agree`)
         memory = self.cfg.checkpoint.memory_interval if self.ckpt.memory_snapshots else 0
+        every_held = memory if isinstance(memory, int) else 0
         first = self.step
         self.reporter.emit(RecordKind.START, step=first, device=str(self.device),
                            **self.layout.describe(),
@@ -443,8 +487,11 @@ class Trainer:
         reason: str = DoneReason.COMPLETED
         if self.auto is not None:  # the work at risk starts with the first step
             self.auto.last_save = time.monotonic()
-            self.reporter.emit(RecordKind.CHECKPOINT_INTERVAL, step=first,
-                               **self.auto.decision.record())
+        if self.memory_auto is not None:
+            self.memory_auto.last_snapshot = time.monotonic()
+        if self.auto is not None or self.memory_auto is not None:
+            self._update_intervals()  # the daemon's failure history as of this start
+            self._report_intervals()
         cid, action, *_ = self._agree()
         while True:
             if action:
@@ -464,9 +511,11 @@ class Trainer:
             self.step += 1
             self.tokens_seen += self.step_fn.tokens_per_step
             self._report_step(result)
+            if self.memory_auto is not None:
+                self.memory_auto.stepped(result.seconds)
             profiled = self.tuner.after_step(self.step)  # collective when a profile window ends
-            cid, action, bad, spike, due, applied = self._agree(*self._verdict(result),
-                                                                applied=not result.skipped)
+            cid, action, bad, spike, due, applied, hold = self._agree(
+                *self._verdict(result), applied=not result.skipped)
             if bad or spike:
                 stop = self._recover("nan" if bad else "spike", result, applied)
                 if stop:
@@ -480,7 +529,8 @@ class Trainer:
             every = interval if isinstance(interval, int) else 0
             if (due or (every and self.step % every == 0)) and self.step < steps:
                 self.save()
-            elif memory and self.step % memory == 0 and self.step < steps:
+            elif memory and (hold or (every_held and self.step % every_held == 0)) \
+                    and self.step < steps:
                 self.hold()
         if reason == DoneReason.COMPLETED and self.step > first:
             self.save()

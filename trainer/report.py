@@ -46,7 +46,8 @@ and their extra fields:
     done        step (the last step), reason (`DoneReason`: "completed", "paused", "stopped",
                 "repartition", "restart")
     checkpoint_interval  step, interval_s and the figures it was decided from ("auto" interval,
-                trainer/checkpoint_interval.py)
+                trainer/checkpoint_interval.py); with memory_interval "auto", memory_interval_s
+                and its figures (every key prefixed memory_), in the same record
     command     id, action, status ("done", "refused"), step, detail (a daemon command, rank 0)
     profile     step, stage, partition, layers and the calibration (per-layer costs, every rank)
     repartition step, decision, source, current, proposed (stage boundaries decided, rank 0)

@@ -10,7 +10,13 @@ from ds3d.daemon.failure_history import FailureHistory
 from ds3d.daemon.reports import describe_interval
 from ds3d.daemon.states import JobState
 from ds3d.daemon.store import Store
-from ds3d.trainer.checkpoint_interval import FAILURES_FILE, AutoInterval, mtbf_estimate, young_daly
+from ds3d.trainer.checkpoint_interval import (
+    FAILURES_FILE,
+    AutoInterval,
+    FailureReading,
+    mtbf_estimate,
+    young_daly,
+)
 from ds3d.trainer.config import build_job_config
 from ds3d.trainer.errors import ConfigError
 
@@ -39,7 +45,8 @@ def _history(control, failures, observed_s):
 
 def test_interval_follows_a_simulated_fault_history(tmp_path):
     """A job's life: prior only, first measured save, then failures observed by the daemon."""
-    auto = AutoInterval(tmp_path, prior_hours=6.0, initial_cost_s=30.0, reread_s=0.0)
+    auto = AutoInterval(FailureReading(tmp_path, prior_hours=6.0, reread_s=0.0),
+                        initial_cost_s=30.0)
     d = auto.decision
     assert not d.measured and d.save_cost_s == 30.0 and d.mtbf_s == 6 * H
     assert d.interval_s == pytest.approx(math.sqrt(2 * 30.0 * 6 * H))  # 1138.4 s
@@ -55,7 +62,7 @@ def test_interval_follows_a_simulated_fault_history(tmp_path):
 
     # the daemon saw 3 failures in 2 h of running: MTBF (6 + 2) / 4 = 2 h
     _history(tmp_path, 3, 2 * H)
-    assert auto.read_failures(now=2000.0)
+    assert auto.history.read(now=2000.0)
     d = auto.update()
     assert d is not None and d.failures == 3 and d.mtbf_s == pytest.approx(2 * H)
     assert d.interval_s == pytest.approx(math.sqrt(2 * 40.4 * 2 * H))  # 762.6 s
@@ -70,11 +77,12 @@ def test_interval_is_never_shorter_than_the_time_to_commit(tmp_path):
     """A store down to a crawl (commit 300 s) and failures every few seconds (50 in 6 min):
     Young-Daly says 68 s, but a save before the previous one is durable buys nothing. (With C
     counting the commit time, the floor binds only when MTBF < C / 2.)"""
-    auto = AutoInterval(tmp_path, prior_hours=0.01, initial_cost_s=30.0, reread_s=0.0)
+    auto = AutoInterval(FailureReading(tmp_path, prior_hours=0.01, reread_s=0.0),
+                        initial_cost_s=30.0)
     auto.saved(step=10, blocked_s=0.5, now=0.0)
     auto.committed(step=10, now=300.0)
     _history(tmp_path, 50, 0.1 * H)
-    auto.read_failures(now=1.0)
+    auto.history.read(now=1.0)
     d = auto.update()
     assert d is not None
     # commit_s runs from the start of the save (0 - 0.5 s blocked) to the commit (300 s)
@@ -85,15 +93,16 @@ def test_interval_is_never_shorter_than_the_time_to_commit(tmp_path):
 
 
 def test_a_bad_or_missing_history_file_keeps_the_last_good_one(tmp_path):
-    auto = AutoInterval(tmp_path, prior_hours=6.0, initial_cost_s=30.0, reread_s=0.0)
-    assert not auto.read_failures()  # no daemon: the prior
+    auto = AutoInterval(FailureReading(tmp_path, prior_hours=6.0, reread_s=0.0),
+                        initial_cost_s=30.0)
+    assert not auto.history.read()  # no daemon: the prior
     _history(tmp_path, 2, 100.0)
-    assert auto.read_failures()
+    assert auto.history.read()
     (tmp_path / FAILURES_FILE).write_text("{not json")
-    assert not auto.read_failures()
+    assert not auto.history.read()
     _history(tmp_path, -1, 5.0)
-    assert not auto.read_failures()
-    assert (auto.failures, auto.observed_s) == (2, 100.0)
+    assert not auto.history.read()
+    assert (auto.history.failures, auto.history.observed_s) == (2, 100.0)
 
 
 def test_config_takes_auto_or_a_step_count():
