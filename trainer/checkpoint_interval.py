@@ -270,14 +270,17 @@ class MemoryInterval:
             snapshots=self.snapshots, step_s=step, durable_s=self.durable_s, capped=capped,
             mtbf_s=mtbf, mtbf_prior_s=h.prior_s, failures=h.failures, observed_s=h.observed_s)
 
-    def update(self, durable_s: float) -> MemoryIntervalDecision | None:
+    def update(self, durable_s: float, force: bool = False) -> MemoryIntervalDecision | None:
         """Recomputes tau_mem under a durable interval of `durable_s` seconds (0: not known
-        yet); returns the new decision when it moved by more than 10% or its inputs changed
-        kind (where the cost comes from, a new failure, capped or not), else None."""
+        yet); returns the new decision when it or the durable interval moved by more than 10%,
+        its inputs changed kind (where the cost comes from, a new failure, capped or not) or
+        `force` (the durable "auto" interval was just decided anew: one record, both fresh),
+        else None."""
         self.durable_s = max(0.0, durable_s)
         new, old = self._decide(), self.decision
-        if (moved(new.interval_s, old.interval_s) or new.cost_source != old.cost_source
-                or new.failures != old.failures or new.capped != old.capped):
+        if (force or moved(new.interval_s, old.interval_s) or moved(new.durable_s, old.durable_s)
+                or new.cost_source != old.cost_source or new.failures != old.failures
+                or new.capped != old.capped):
             self.decision = new
             return new
         return None

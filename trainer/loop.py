@@ -232,7 +232,10 @@ class Trainer:
         self.failures.read()
         changed = self.auto is not None and self.auto.update() is not None
         if self.memory_auto is not None and self.ckpt.memory_snapshots:
-            changed = self.memory_auto.update(self._durable_interval_s()) is not None or changed
+            # a new durable decision renews the memory one: the record carries both, and the
+            # memory one's cap is the durable one it sits beside
+            memory = self.memory_auto.update(self._durable_interval_s(), force=changed)
+            changed = changed or memory is not None
         return changed
 
     def _durable_interval_s(self) -> float:

@@ -68,6 +68,11 @@ def test_memory_interval_follows_snapshot_costs_and_the_shared_fault_history(
     assert d is not None and d.snapshot_cost_s == pytest.approx(mean) and d.snapshots == 2
     assert d.interval_s == pytest.approx(math.sqrt(2 * mean * 6 * H))  # 147.0 s: moved > 10%
     assert memory.update(durable_s=1000.0) is None  # nothing changed: no new report
+    assert memory.update(durable_s=1050.0) is None  # the cap moved by 5%: not worth a report
+    d = memory.update(durable_s=1200.0)  # by 20%: reported, though tau_mem stays
+    assert d is not None and d.durable_s == 1200.0 and d.snapshot_cost_s == pytest.approx(mean)
+    d = memory.update(durable_s=1000.0, force=True)  # a new durable decision: always renewed
+    assert d is not None and d.durable_s == 1000.0
 
     # the daemon saw 3 failures in 2 h of running: MTBF (6 + 2) / 4 = 2 h for both clocks
     _history(tmp_path, 3, 2 * H)
