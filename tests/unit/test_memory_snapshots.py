@@ -50,6 +50,14 @@ def _engine(root: Path, on_durable=None) -> SnapshotCheckpointEngine:  # type: i
     return engine
 
 
+def _durable_then_memory_only(engine: SnapshotCheckpointEngine, ckpt: Path) -> None:
+    """Step 4's durable save (its writes finished), then step 6's memory-only snapshot: both
+    slots hold a state."""
+    _save(engine, ckpt, 4)
+    engine.wait()
+    _save(engine, ckpt, 6, memory_only=True)
+
+
 def _save(engine: SnapshotCheckpointEngine, ckpt: Path, step: int,
           memory_only: bool = False) -> None:
     """What DeepSpeed's save_checkpoint calls on the engine, for one file."""
@@ -128,9 +136,7 @@ def test_each_slot_marker_goes_before_the_first_byte_lands_in_it(shm: Path,
     engine = _engine(shm)
     slot0, slot1 = NodeArena(FP, shm), NodeArena(FP, shm, slot=1)
     ckpt = tmp_path / "ckpt"
-    _save(engine, ckpt, 4)
-    engine.wait()
-    _save(engine, ckpt, 6, memory_only=True)
+    _durable_then_memory_only(engine, ckpt)
     assert slot0.marker_path.exists() and slot1.marker_path.exists()
     before = slot0.arena_path.read_bytes()
     info = CheckpointCommitInfo(tag="global_step8", save_dir=str(ckpt), save_latest=False)
@@ -154,9 +160,7 @@ def test_a_restart_adopts_both_slots_and_uses_the_newest_valid(shm: Path,
                                                                tmp_path: Path) -> None:
     engine = _engine(shm)
     ckpt = tmp_path / "ckpt"
-    _save(engine, ckpt, 4)
-    engine.wait()
-    _save(engine, ckpt, 6, memory_only=True)
+    _durable_then_memory_only(engine, ckpt)
     restarted = SnapshotCheckpointEngine(node=NodeArena(FP, shm), slots=2)
     assert restarted.adopt_node_memory(str(ckpt)) == (6, '{"step": 6}')
     assert _held_steps(restarted) == [(6, False), (4, True)]
@@ -173,9 +177,7 @@ def test_a_restart_adopts_both_slots_and_uses_the_newest_valid(shm: Path,
 def test_a_torn_newer_slot_leaves_the_older_one_adopted(shm: Path, tmp_path: Path) -> None:
     engine = _engine(shm)
     ckpt = tmp_path / "ckpt"
-    _save(engine, ckpt, 4)
-    engine.wait()
-    _save(engine, ckpt, 6, memory_only=True)
+    _durable_then_memory_only(engine, ckpt)
     newer = NodeArena(FP, shm, slot=1).marker_path
     newer.write_bytes(newer.read_bytes()[:40])
     restarted = SnapshotCheckpointEngine(node=NodeArena(FP, shm), slots=2)
@@ -188,9 +190,7 @@ def test_a_torn_newer_slot_leaves_the_older_one_adopted(shm: Path, tmp_path: Pat
 def test_cleanup_covers_both_slots(shm: Path, tmp_path: Path) -> None:
     engine = _engine(shm)
     ckpt = tmp_path / "ckpt"
-    _save(engine, ckpt, 4)
-    engine.wait()
-    _save(engine, ckpt, 6, memory_only=True)
+    _durable_then_memory_only(engine, ckpt)
     folder = job_folder(FP.job_id, shm)
     assert sorted(p.name for p in folder.iterdir()) == [
         "rank-00000-1.arena", "rank-00000-1.held", "rank-00000.arena", "rank-00000.held"]
