@@ -33,6 +33,9 @@ Sections:
                 pieces (host_memory.register_in_pieces), beside a matmul loop: how much GPU work
                 each lets through
   restore       process start -> first step after a restart, split into its parts
+  restore_process_memory  the same with the snapshot arena in process memory, not node memory
+                (checkpoint.keep_in_node_memory = false): what the /dev/shm file's pinning,
+                beside the engine build, costs the restore
   goodput       a job under ds3d's node agent with a NaN, a crash and a spike in turn every
                 --goodput-every s over --goodput-window s, against a fault-free run of the same
                 invocation (issue 19 goal 6)
@@ -70,7 +73,8 @@ SECTIONS = ["peak", "minimal", "minimal_compile", "deepspeed", "deepspeed_compil
             "ds3d_compile"]
 OPTIONAL = ["minimal_unfused_adam", "minimal_math_attention", "deepspeed_unfused",
             "deepspeed_stock_bf16", "deepspeed_compile_stock_bf16", "profile",
-            "checkpoint", "restore", "rollback", "goodput", "pinning"]
+            "checkpoint", "restore", "restore_process_memory", "rollback", "goodput",
+            "pinning"]
 # (name, --set overrides of the bench job): sizes, micro-batches, checkpointing and ZeRO stages
 MEMORY_CONFIGS = {
     "gpt1b_mb8": ["train.micro_batch_size=8"],
@@ -458,10 +462,11 @@ def sec_profile(args) -> dict:
             "top_kernels_s": top[:12]}
 
 
-def _thp() -> str:
-    """The kernel's transparent huge page mode (checkpoints/host_memory.py asks for them)."""
+def _thp(name: str = "enabled") -> str:
+    """The kernel's transparent huge page mode (checkpoints/host_memory.py asks for them), or
+    `shmem_enabled`: its mode for tmpfs, where node memory's arenas live."""
     try:
-        return Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
+        return Path(f"/sys/kernel/mm/transparent_hugepage/{name}").read_text().strip()
     except OSError:
         return "unknown"
 
@@ -516,6 +521,7 @@ def sec_checkpoint(args) -> dict:
     out["arena_pinned"] = ckpt.snapshot._arena is not None
     out["arena_in_node_memory"] = ckpt.node is not None and ckpt.node.arena_path.exists()
     out["transparent_hugepage"] = _thp()
+    out["transparent_hugepage_shmem"] = _thp("shmem_enabled")  # node memory's /dev/shm
     out["steps_while_pinning"] = k
     out["step_s_while_pinning"] = out["pinning_s"] / max(k, 1)
     progress("pinned", seconds=out["pinning_s"], steps=k, ok=out["arena_pinned"])
@@ -567,8 +573,9 @@ def _launch_agent(run_dir: Path, env: dict, max_restarts: int, log: Path) -> sub
     """The job as ds3dd runs it on a node: `python -m ds3d.daemon.agent`, torch elastic's
     LocalElasticAgent with a c10d rendezvous it hosts (as torchrun --standalone), its worker
     forked from a forkserver that imported torch, DeepSpeed and the trainer once, so a worker
-    the agent restarts after a crash does not import them again. The agent's output goes to
-    `log`, the workers' to RUN_DIR/logs/agent (`_worker_log`)."""
+    the agent restarts after a crash does not import them again. The agent's output (stdout
+    and stderr, as ds3dd keeps it) goes to `log`, the workers' to RUN_DIR/logs/agent
+    (`_worker_log`)."""
     import socket
 
     from ds3d.daemon.launcher import AgentSpec
@@ -581,7 +588,7 @@ def _launch_agent(run_dir: Path, env: dict, max_restarts: int, log: Path) -> sub
     spec = control / "bench-agent.json"
     AgentSpec.standalone(run_dir, 1, port, max_restarts, "agent").write(spec)
     return subprocess.Popen([sys.executable, "-m", "ds3d.daemon.agent", "--spec", str(spec)],
-                            env=env, stdout=subprocess.DEVNULL, stderr=log.open("w"),
+                            env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
 
 
@@ -651,6 +658,12 @@ def _restore_phases(recs: list[dict], t0: float, log: str) -> dict:
                     all(r.get(k) == v for k, v in kw.items()))
 
     init, build = first("heartbeat", phase="init"), first("heartbeat", phase="build")
+    heartbeat = next(r for r in mine if r["kind"] == "heartbeat" and r.get("phase") == "init")
+    forked = next((r["process_started"] for r in mine if r["kind"] == "start"), None)
+    group = re.findall(r"ds3d agent: starting the worker group at ([0-9.]+)", log)
+    # the newest group start before this worker's fork (an earlier one's worker crashed)
+    group_at = max((float(g) for g in group if forked is None or float(g) <= forked + 0.5),
+                   default=None)
     load, loaded = first("heartbeat", phase="load"), first("checkpoint", phase="loaded")
     step1 = first("step")
     restoring = [r for r in mine if r["kind"] == "checkpoint" and r.get("phase") == "restoring"]
@@ -664,6 +677,20 @@ def _restore_phases(recs: list[dict], t0: float, log: str) -> dict:
                         "load into the engine, served from the verified host buffers":
                             loaded - load,
                         "first step": step1 - loaded},
+            # the first part split: the agent's start and rendezvous (to its start of the
+            # group), the wait for the forkserver's imports and the fork, the worker's own
+            # start-up stages (seconds from its fork: config, CUDA device, process group,
+            # layout), the trainer's set-up to its init heartbeat
+            "init_parts_s": {
+                "to the agent's start of the group (its start and rendezvous, or noticing "
+                "the crash)": group_at - t0 if group_at else None,
+                "forkserver + fork": forked - group_at if forked and group_at else None,
+                "worker start-up stages, from its fork": heartbeat.get("startup_s"),
+                "fork to init heartbeat": init - forked if forked else None},
+            # the engine's build and the wait for the read after it (the load heartbeat)
+            "build_parts_s": next((r.get("build_s") for r in mine if r["kind"] == "heartbeat"
+                                   and r.get("phase") == "load"), None),
+            "snapshot_arenas": _arenas_reserved(log, t0),
             "read_and_verify_s (background, overlapped with the build)":
                 float(read_s.group(1)) if read_s else None,
             # "node_memory": the crashed worker's newest save, no read (node_memory.py)
@@ -671,11 +698,33 @@ def _restore_phases(recs: list[dict], t0: float, log: str) -> dict:
             if restoring else None}
 
 
-def sec_restore(args) -> dict:
+def _arenas_reserved(log: str, t0: float) -> dict | None:
+    """The newest worker's snapshot arena reservation after `t0` (its `snapshot_arenas_reserved`
+    log line): bytes, slots, pinned, in node memory, its seconds, and when it ended (seconds
+    after t0), to set beside the restore's parts it overlapped."""
+    from datetime import datetime
+
+    found = None
+    for line in log.splitlines():
+        if "snapshot_arenas_reserved" not in line or not line.lstrip().startswith("{"):
+            continue
+        try:
+            rec = json.loads(line)
+            ended = datetime.fromisoformat(rec["timestamp"].replace("Z", "+00:00")).timestamp()
+        except (ValueError, KeyError):
+            continue
+        if ended >= t0:
+            found = {k: rec.get(k) for k in ("bytes", "slots", "pinned", "node_memory",
+                                             "seconds")}
+            found["ended_after_s"] = round(ended - t0, 3)
+    return found
+
+
+def sec_restore(args, sets: tuple[str, ...] = ()) -> dict:
     """A fresh start of ds3d's node agent (c10d rendezvous, forkserver, worker) resuming the
-    job `checkpoint` saved."""
+    job `checkpoint` saved; `sets`: the job's settings changed for this start."""
     run_dir = Path(args.work) / "ckpt-run"
-    cfg = build_cfg(args, ["checkpoint.keep_last=2"])
+    cfg = build_cfg(args, ["checkpoint.keep_last=2", *sets])
     store = run_dir / "store" / "bench" / "ckpt"
     saved = sorted(int(p.name.split("-")[1]) for p in store.glob("step-*") if
                    (p / "MANIFEST.json").exists()) if store.is_dir() else []
@@ -705,6 +754,7 @@ def sec_restore(args) -> dict:
     out = _restore_phases(recs, t0, _worker_log(run_dir, log))
     out["checkpoint_bytes"] = _dir_bytes(run_dir / "ckpt" / f"global_step{saved[-1]}")
     out["transparent_hugepage"] = _thp()
+    out["transparent_hugepage_shmem"] = _thp("shmem_enabled")  # node memory's /dev/shm
     # the bare floor, in the same run: one sequential read of the same files (page cache as the
     # restore found it) plus an engine build with no load
     files = sorted(p for p in (run_dir / "ckpt" / f"global_step{saved[-1]}").rglob("*")
@@ -1088,6 +1138,7 @@ def sec_rollback(args) -> dict:
     out["arena_pinned"] = ckpt.snapshot._arena is not None
     out["arena_in_node_memory"] = ckpt.node is not None and ckpt.node.arena_path.exists()
     out["transparent_hugepage"] = _thp()
+    out["transparent_hugepage_shmem"] = _thp("shmem_enabled")  # node memory's /dev/shm
     out["state_bytes"] = sum(t.numel() * t.element_size() for snap in
                              (held.files.values() if held else []) for t in _tensors_of(snap))
     for _ in range(3):  # the NaN comes 3 steps after the save, its files still being written
@@ -1166,6 +1217,8 @@ def run_section(name: str, args) -> dict:
           "ds3d": sec_ds3d,
           "ds3d_compile": lambda a: sec_ds3d(a, compile_=True),
           "profile": sec_profile, "checkpoint": sec_checkpoint, "restore": sec_restore,
+          "restore_process_memory": lambda a: sec_restore(
+              a, ("checkpoint.keep_in_node_memory=false",)),
           "engine_build": sec_engine_build, "rollback": sec_rollback,
           "goodput": sec_goodput, "pinning": sec_pinning}[name]
     return fn(args)

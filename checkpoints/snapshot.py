@@ -289,8 +289,15 @@ class SnapshotCheckpointEngine(CheckpointEngine):
             return
 
         def reserve() -> None:
+            t0 = time.perf_counter()
             for slot in self._slots:  # one arena of `nbytes` per slot
                 self._reserve(slot, nbytes, pin)
+            # when it ended tells what it overlapped (a restore's build, the first steps)
+            log.info("snapshot_arenas_reserved", bytes=nbytes, slots=len(self._slots),
+                     pinned=[s.arena is not None and bool(s.pieces) for s in self._slots],
+                     node_memory=[s.node is not None and s.arena is not None and
+                                  s.node.owns(s.arena) for s in self._slots],
+                     seconds=round(time.perf_counter() - t0, 3))
             if all(slot.arena is None for slot in self._slots):
                 self._arena_thread = None  # per-tensor buffers; a later call may try again
 

@@ -83,6 +83,10 @@ def _agent_class(extensions: tuple[Path, Path] | None) -> type:
                 if copied:
                     print(f"ds3d agent: built ops {copied} copied from {extensions[1]}",
                           flush=True)
+            # when the rendezvous ended and the forks were asked for (a restore's first
+            # seconds: the agent's start, its rendezvous, the forkserver's imports)
+            print(f"ds3d agent: starting the worker group at {time.time():.3f} "
+                  f"({self._remaining_restarts} restart(s) left)", flush=True)
             started: dict[int, Any] = super()._start_workers(worker_group)
             return started
 

@@ -68,14 +68,17 @@ class CommandInbox:
 
 class Trainer:
     def __init__(self, cfg: JobConfig, run_dir: Path, env: ProcessEnv, layout: ParallelLayout,
-                 device: torch.device, stop_at_step: int | None = None) -> None:
+                 device: torch.device, stop_at_step: int | None = None,
+                 startup_s: dict[str, float] | None = None) -> None:
         self.cfg, self.run_dir, self.env = cfg, run_dir, env
         self.layout, self.device = layout, device
         self.reporter = Reporter(run_dir, env.rank, env.restart_count)
         self.inbox = CommandInbox(run_dir)
         self.stop_at_step = stop_at_step
         self.step, self.tokens_seen, self.saved_step = 0, 0, -1
-        self.reporter.emit(RecordKind.HEARTBEAT, step=0, phase="init")
+        # startup_s: seconds from the process's start to each start-up stage (worker.py)
+        self.reporter.emit(RecordKind.HEARTBEAT, step=0, phase="init",
+                           **({"startup_s": startup_s} if startup_s else {}))
         self.injector = FaultInjector(run_dir, env.rank, self.reporter.emit,
                                       spike_steps=cfg.faults.spike_patience)
         self.spikes, self.budget = SpikeDetector(cfg.faults), RollbackBudget(cfg.faults)
@@ -99,11 +102,15 @@ class Trainer:
         rollback = self._read_rollback() if env.rank == 0 else None
         plan = self.ckpt.plan_restore(rollback) if cfg.checkpoint.load else None
         self.reporter.emit(RecordKind.HEARTBEAT, step=plan.step if plan else 0, phase="build")
+        t0 = time.perf_counter()
         self.step_fn = TrainStep(cfg, layout, device, load_universal=bool(plan and plan.universal),
                                  parts=self.partition.boundaries)
         # the local copy was read and hashed while the engine was built; a copy that failed
         # its hashes gives another plan, which rarely needs the other kind of engine
+        t1 = time.perf_counter()
         built_universal, plan = bool(plan and plan.universal), self.ckpt.confirm(plan)
+        # a restore's build phase split: the engine's build, then the wait for the read
+        build_s = {"engine": round(t1 - t0, 3), "read_wait": round(time.perf_counter() - t1, 3)}
         if plan is not None and plan.universal != built_universal:
             del self.step_fn
             self.step_fn = TrainStep(cfg, layout, device, load_universal=plan.universal,
@@ -113,7 +120,7 @@ class Trainer:
             self.partition.boundaries, self.reporter.emit,
             auto=cfg.parallel.partition_method == "measured" and not self.partition.detail)
         if plan is not None:
-            self._load(plan, rollback)
+            self._load(plan, rollback, build_s)
         self.ckpt.prepare(self.step_fn.engine)  # GPU: pin the snapshot memory while training
         self.tb = TensorBoardLog(cfg, run_dir, device, env.world_size,
                                  self.step_fn.plan.global_batch,
@@ -128,8 +135,10 @@ class Trainer:
         except (FileNotFoundError, json.JSONDecodeError, KeyError, ValueError):
             return None
 
-    def _load(self, plan, rollback: int | None) -> None:
-        self.reporter.emit(RecordKind.HEARTBEAT, step=plan.step, phase="load")
+    def _load(self, plan, rollback: int | None, build_s: dict[str, float]) -> None:
+        """`build_s`: the engine's build and the wait for the read-ahead after it, in the load
+        heartbeat (the bench splits a restore's seconds with it)."""
+        self.reporter.emit(RecordKind.HEARTBEAT, step=plan.step, phase="load", build_s=build_s)
         t0 = time.perf_counter()
         self.ckpt.load(self.step_fn.engine, plan)
         self.step = plan.step

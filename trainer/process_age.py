@@ -35,3 +35,17 @@ def process_started_at(pid: int | None = None) -> float | None:
     """Unix time at which process `pid` (default: this one) started."""
     age = process_age_s(os.getpid() if pid is None else pid)
     return None if age is None else time.time() - age
+
+
+class StartupTimeline:
+    """Seconds from this process's start to each stage of a worker's start-up (config read,
+    device chosen, process group, layout), carried in its `init` heartbeat: a restore's first
+    seconds are otherwise one number, and the bench must tell the fork's wait for the agent
+    from CUDA's and the process group's initialisation."""
+
+    def __init__(self) -> None:
+        self.started = process_started_at() or time.time()
+        self.seconds: dict[str, float] = {}
+
+    def mark(self, stage: str) -> None:
+        self.seconds[stage] = round(time.time() - self.started, 3)

@@ -31,6 +31,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, recor
 from .config import JobConfig, build_job_config
 from .errors import Ds3dError
 from .exit_codes import EXIT_CONFIG
+from .process_age import StartupTimeline
 
 
 def config_refusal(e: BaseException) -> bool:
@@ -78,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from .layout import ProcessEnv
 
+    startup = StartupTimeline()
+    startup.mark("imported")  # exec'd: python and torch's import; forked: ~0
     env = ProcessEnv.from_env()
     from ds3d.checkpoints.logs import configure_logging, tolerate_full_disk_on_std_streams
 
@@ -85,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     log = configure_logging(rank=env.rank, restart=env.restart_count)
     try:
         cfg, run_dir = _load_config(args, env.rank)
-        return _train(cfg, run_dir, env, args.stop_at_step)
+        startup.mark("config")
+        return _train(cfg, run_dir, env, args.stop_at_step, startup)
     except Exception as e:  # noqa: BLE001 - a refusal exits EXIT_CONFIG, the rest re-raised
         if not config_refusal(e):
             raise  # @record writes the error file; the agent may restart the group
@@ -95,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
 
 
-def _train(cfg: JobConfig, run_dir: Path, env, stop_at_step: int | None) -> int:
+def _train(cfg: JobConfig, run_dir: Path, env, stop_at_step: int | None,
+           startup: StartupTimeline) -> int:
     import torch
 
     from .layout import ParallelLayout, init_distributed, pick_device
@@ -105,13 +110,16 @@ def _train(cfg: JobConfig, run_dir: Path, env, stop_at_step: int | None) -> int:
 
     torch.manual_seed(cfg.train.seed)
     device = pick_device(cfg, env.local_rank)
+    startup.mark("device")
     init_distributed(device, timeout=timedelta(seconds=float(os.environ.get(
         "DS3D_COLLECTIVE_TIMEOUT_S", 300))))
+    startup.mark("process_group")
     cfg = cfg.at_world_size(env.world_size)  # an elastic job after losing or regaining nodes
     layout = ParallelLayout(cfg, env)
+    startup.mark("layout")
     trainer: Trainer | None = None
     try:
-        trainer = Trainer(cfg, run_dir, env, layout, device, stop_at_step)
+        trainer = Trainer(cfg, run_dir, env, layout, device, stop_at_step, startup.seconds)
         try:
             trainer.wait_for_store(trainer.run())  # a job ends with its last checkpoint durable
             trainer.ckpt.release_node_memory()  # a clean exit: no restart reads it

@@ -24,6 +24,17 @@ def test_resume_reproduces_uninterrupted_losses(tmp_path):
     torchrun(split, 4, sets=SETS, env=PEAK)  # a fresh process group loads step 5, continues
     start = [r for r in records(split, 0, "start")]
     assert [r["step"] for r in start] == [0, 5]
+    # each start's init heartbeat says when its start-up stages ended (seconds from its
+    # process's start, in order), the restore's load heartbeat how its build phase split
+    beats = records(split, 0, "heartbeat")
+    for init in [b for b in beats if b["phase"] == "init"]:
+        stages = init["startup_s"]
+        assert list(stages) == ["imported", "config", "device", "process_group", "layout"]
+        assert 0 <= stages["imported"] <= stages["config"] <= stages["device"] <= \
+            stages["process_group"] <= stages["layout"], stages
+    (load,) = [b for b in beats if b["phase"] == "load"]
+    assert load["step"] == 5 and load["build_s"]["engine"] > 0 and \
+        load["build_s"]["read_wait"] >= 0, load
     reference, resumed = losses(whole), losses(split)
     assert sorted(resumed) == list(range(1, 11))
     for step in range(1, 11):
