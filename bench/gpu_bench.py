@@ -31,7 +31,8 @@ Sections:
                 snapshot, against the floor = state bytes / measured pinned D2H bandwidth
   pinning       page-locking a snapshot-sized host buffer with CUDA at once against in 1 GiB
                 pieces (host_memory.register_in_pieces), beside a matmul loop: how much GPU work
-                each lets through
+                each lets through; and node memory's arena (a /dev/shm file) in 1 GiB and 64 MiB
+                pieces
   restore       process start -> first step after a restart, split into its parts
   restore_process_memory  the same with the snapshot arena in process memory, not node memory
                 (checkpoint.keep_in_node_memory = false): what the /dev/shm file's pinning,
@@ -1033,12 +1034,51 @@ def sec_pinning(args) -> dict:
         del host, buf
         return r
 
+    def pieces_in_node_memory(size: int) -> dict:
+        """Node memory's arena (checkpoints/node_memory.py `_allocate`: a /dev/shm file,
+        posix_fallocate'd, mapped shared; tmpfs pages are 4 KiB unless the kernel's
+        shmem_enabled says otherwise) registered in pieces of `size`."""
+        import mmap
+
+        folder = Path(tempfile.mkdtemp(prefix="ds3d-pin-", dir="/dev/shm"))
+        path = folder / "arena"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            t0 = time.perf_counter()
+            os.posix_fallocate(fd, 0, nbytes)
+            allocate_s = time.perf_counter() - t0
+            buf = mmap.mmap(fd, nbytes, mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+        registered: list[int] = []
+
+        def reg() -> dict:
+            registered.extend(register_in_pieces(addr, nbytes, size) or [])
+            return {"rc": 0 if registered else 1}
+        r = probe(reg)
+        r.update(piece_bytes=size, fallocate_s=allocate_s)
+        unregister_pieces(registered)
+        del buf
+        path.unlink()
+        folder.rmdir()
+        return r
+
+    out["transparent_hugepage"] = _thp()
+    out["transparent_hugepage_shmem"] = _thp("shmem_enabled")
     out["whole_fresh"] = whole(False)
     progress("whole fresh", **out["whole_fresh"])
     out["pieces_fresh"] = pieces()
     progress("pieces fresh", **out["pieces_fresh"])
     out["whole_prefaulted"] = whole(True)
     progress("whole prefaulted", **out["whole_prefaulted"])
+    # the restore under ds3d's agent pins node memory's arena beside the engine build
+    for name, size in (("node_memory_pieces", piece), ("node_memory_small_pieces", 64 << 20)):
+        try:
+            out[name] = pieces_in_node_memory(size)
+        except Exception as e:  # noqa: BLE001 - the probes above keep their results
+            out[name] = {"error": repr(e)}
+        progress(name, **out[name])
     return out
 
 
