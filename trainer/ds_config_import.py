@@ -47,6 +47,14 @@ class Translation:
     disabled: list[tuple[str, str]] = field(default_factory=list)  # (precision, key) set false
 
     def set(self, path: FieldPath, value: Any, key: str) -> None:
+        """Two keys of one JSON that mean different values of one field (fp16 and bf16 both
+        enabled; an optimizer lr beside a constant scheduler's) are refused naming both: which
+        one wins would depend on the keys' order in the file."""
+        if path in self.fields and not _same(self.fields[path], value):
+            self.refuse(key, f"means {'.'.join(path)}={json.dumps(value)}, but "
+                        f"{self.origin[path]} means {'.'.join(path)}="
+                        f"{json.dumps(self.fields[path])}; keep only one of the two")
+            return
         self.fields[path] = value
         self.origin[path] = key
 

@@ -237,3 +237,35 @@ def test_check_prints_the_effective_job_and_deepspeed_config(tmp_path):
     ds = json.loads(rest.split("\n", 1)[1].split("# ----")[0])
     assert ds["train_batch_size"] == 16 and ds["gradient_accumulation_steps"] == 4
     assert ds["bf16"] == {"enabled": True} and ds["steps_per_print"] == 5
+
+
+@pytest.mark.parametrize("content, words", [
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}},
+     ["bf16.enabled", "fp16.enabled", 'train.precision="bf16"', 'train.precision="fp16"']),
+    ({"bf16": {"enabled": True}, "fp16": {"enabled": True}},
+     ["bf16.enabled", "fp16.enabled"]),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+      "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 3e-4,
+                                                   "warmup_max_lr": 3e-4}}},
+     ["optimizer.params.lr", "scheduler.params.warmup_max_lr", "train.lr=0.0003",
+      "train.lr=0.0001"]),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 3e-4,
+                                                   "warmup_max_lr": 3e-4}},
+      "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}},
+     ["optimizer.params.lr", "scheduler.params.warmup_max_lr"]),
+])
+def test_two_keys_meaning_different_values_of_one_field_are_refused(tmp_path, content, words):
+    """Was: the later key silently won (fp16 and bf16 both enabled trained in bf16, which
+    DeepSpeed itself refuses; an lr beside a constant scheduler depended on key order)."""
+    msg = refusal("tiny", ds_file(tmp_path, content))
+    assert all(w in msg for w in words), msg
+    assert "keep only one of the two" in msg
+
+
+def test_keys_that_agree_on_a_field_are_accepted(tmp_path):
+    f = ds_file(tmp_path, {"optimizer": {"type": "AdamW", "params": {"lr": 3e-4}},
+                           "scheduler": {"type": "WarmupLR", "params": {
+                               "warmup_min_lr": 3e-4, "warmup_max_lr": 3e-4}},
+                           "bf16": {"enabled": True}, "bfloat16": {"enabled": True}})
+    t = job("tiny", f).train
+    assert (t.lr, t.precision, t.min_lr_ratio) == (3e-4, "bf16", 1.0)
