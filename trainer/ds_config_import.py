@@ -18,6 +18,7 @@ Pure standard library: `ds3dctl` imports this without torch or deepspeed.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -152,7 +153,9 @@ def translate(ds: dict[str, Any], dp: int) -> Translation:
     """The meaning of DeepSpeed config `ds` for a ds3d job with `dp` data-parallel ranks."""
     tr = Translation()
     spp = ds.get("steps_per_print")
-    tr.steps_per_print = int(spp) if isinstance(spp, (int, float)) and spp >= 0 else None
+    # JSON's 1e400 is infinity: the key's own handler refuses it, this reading must not raise
+    tr.steps_per_print = int(spp) if isinstance(spp, (int, float)) and math.isfinite(spp) \
+        and spp >= 0 else None
     _batch(tr, ds, dp)
     for name, value in ds.items():
         if name in BATCH_KEYS:

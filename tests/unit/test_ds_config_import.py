@@ -269,3 +269,10 @@ def test_keys_that_agree_on_a_field_are_accepted(tmp_path):
                            "bf16": {"enabled": True}, "bfloat16": {"enabled": True}})
     t = job("tiny", f).train
     assert (t.lr, t.precision, t.min_lr_ratio) == (3e-4, "bf16", 1.0)
+
+
+@pytest.mark.parametrize("value", ["1e400", "-1e400", "NaN", "Infinity"])
+def test_non_finite_steps_per_print_is_refused_not_a_traceback(tmp_path, value):
+    """Was: OverflowError from the early reading of steps_per_print for wall_clock_breakdown."""
+    f = ds_file(tmp_path, f'{{"steps_per_print": {value}, "wall_clock_breakdown": true}}')
+    assert "steps_per_print" in refusal("tiny", f)
