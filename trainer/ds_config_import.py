@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +31,7 @@ from .errors import ConfigError
 FieldPath = tuple[str, ...]
 AUTO = "auto"  # Hugging Face's placeholder: "let the trainer decide" -> ds3d's value
 
+MAX_JSON_BYTES = 1 << 20  # DeepSpeed configs are a few KiB; this is read before it is known
 _SHELL_VAR = re.compile(r"\$\{?[A-Za-z_][A-Za-z0-9_]*\}?")
 _BARE_WORD = re.compile(r":\s*([A-Z][A-Z0-9_]{2,})\s*[,}\n]")
 
@@ -70,7 +72,15 @@ def read_deepspeed_json(path: str | Path) -> dict[str, Any]:
     """The file as a dict, or a ConfigError saying what the file is instead (a shell template,
     a YAML file) and what to do."""
     path = Path(path)
-    try:
+    try:  # stat first: reading a FIFO blocks forever, /dev/zero until memory runs out
+        info = path.stat()
+        if not stat.S_ISREG(info.st_mode):
+            raise ConfigError(f"train.deepspeed_config={str(path)!r} is not a regular file; "
+                              "give the path of a DeepSpeed JSON file")
+        if info.st_size > MAX_JSON_BYTES:
+            raise ConfigError(f"train.deepspeed_config={str(path)!r} is {info.st_size} bytes; "
+                              f"a DeepSpeed JSON is a few KiB (at most {MAX_JSON_BYTES}): give "
+                              "the config file, not a data or checkpoint file")
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"train.deepspeed_config={str(path)!r} cannot be read: {e}") from None

@@ -276,3 +276,19 @@ def test_non_finite_steps_per_print_is_refused_not_a_traceback(tmp_path, value):
     """Was: OverflowError from the early reading of steps_per_print for wall_clock_breakdown."""
     f = ds_file(tmp_path, f'{{"steps_per_print": {value}, "wall_clock_breakdown": true}}')
     assert "steps_per_print" in refusal("tiny", f)
+
+
+@pytest.mark.timeout(30)
+def test_a_deepspeed_config_that_is_no_regular_file_or_too_big_is_refused_unread(tmp_path):
+    """Was: a FIFO blocked ds3dctl forever and /dev/zero read until a MemoryError traceback."""
+    import os
+
+    fifo = tmp_path / "ds.json"
+    os.mkfifo(fifo)
+    for path in (fifo, "/dev/zero"):
+        msg = str(pytest.raises(ConfigError, build_job_config, "tiny",
+                                [f'train.deepspeed_config="{path}"']).value)
+        assert "is not a regular file" in msg, msg
+    big = ds_file(tmp_path, "{" + " " * (2 << 20) + "}", "big.json")
+    msg = refusal("tiny", big)
+    assert "a DeepSpeed JSON is a few KiB" in msg and str(big) in msg
