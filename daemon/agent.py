@@ -15,6 +15,10 @@ Two hooks on torch elastic's `LocalElasticAgent` (`Ds3dAgent`; its restart loop 
 * a group in which a worker exited with EXIT_CONFIG (trainer/exit_codes.py: its configuration was
   refused) is not restarted: the same configuration would be refused again.
 
+and one on its rendezvous: the workers' MASTER_PORT is drawn outside the kernel's ephemeral port
+range and held by the agent while global rank 0 binds it (daemon/ports.py), so no bind(0) on the
+host can take it first. All three are installed by `_install_hooks`.
+
 Workers are forked, not exec'd: the agent runs its entry as a function under torch elastic's
 multiprocessing context with the "forkserver" start method, and the forkserver imports torch,
 DeepSpeed and the trainer once (TRAINER_PRELOAD). A worker (re)start then costs a fork instead of
@@ -100,6 +104,42 @@ def _agent_class(extensions: tuple[Path, Path] | None) -> type:
     return Ds3dAgent
 
 
+def _install_hooks(extensions: tuple[Path, Path] | None) -> None:
+    """ds3d's changes to torch elastic, all made here, before `elastic_launch` builds the agent
+    (torch's own module-level names are swapped; nothing of its loops is copied):
+
+    * `launcher.api.LocalElasticAgent`, the name `launch_agent` builds the agent from, becomes
+      `Ds3dAgent` (`_agent_class`: the module docstring's two hooks);
+    * `rendezvous.api.get_free_port`, which `RendezvousStoreInfo.build` calls on the
+      rendezvous's rank 0 to choose the workers' MASTER_PORT when their store is not the
+      agent's (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, launcher.py), becomes `_master_port`:
+      torch's bind(0) + close leaves the port to any bind(0) on the host until global rank 0
+      binds its TCPStore seconds later (EADDRINUSE, a group restart); ports.hold_port draws it
+      outside the ephemeral range and holds it until the next rendezvous chooses again. The
+      other nodes read it from the rendezvous store, and global rank 0 runs on the rank-0
+      node, so the node that chooses is the node that binds.
+    """
+    import torch.distributed.elastic.rendezvous.api as rendezvous_api
+    import torch.distributed.launcher.api as launcher_api
+
+    from .ports import HeldPort, hold_port
+
+    held: list[HeldPort] = []
+
+    def _master_port() -> int:
+        while held:
+            held.pop().close()  # the previous group's port: its workers are gone
+        held.append(hold_port())
+        return held[0].port
+
+    if not hasattr(rendezvous_api, "get_free_port"):
+        print("ds3d agent: torch.distributed.elastic.rendezvous.api has no get_free_port: "
+              "MASTER_PORT is chosen by torch, outside ds3d's rule (daemon/ports.py)",
+              flush=True)
+    setattr(rendezvous_api, "get_free_port", _master_port)  # noqa: B010
+    setattr(launcher_api, "LocalElasticAgent", _agent_class(extensions))  # noqa: B010
+
+
 def run(spec: AgentSpec) -> tuple[int, str]:
     from .extension_cache import warm_root
 
@@ -110,13 +150,11 @@ def run(spec: AgentSpec) -> tuple[int, str]:
         os.environ["TORCH_EXTENSIONS_DIR"] = spec.extensions_dir
     module = spec.worker_module
     _start_forkserver(list(TRAINER_PRELOAD) if module == WORKER_MODULE else [])
-    import torch.distributed.launcher.api as launcher_api
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    # launch_agent builds the agent from this module-level name: the one place to swap it
-    setattr(launcher_api, "LocalElasticAgent", _agent_class(extensions))  # noqa: B010
+    _install_hooks(extensions)
     config = LaunchConfig(
         min_nodes=spec.min_nodes,
         max_nodes=spec.max_nodes,

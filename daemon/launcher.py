@@ -7,7 +7,10 @@ is gone is reported with the exit code from its result file, or None if it was k
 
 Environment the workers inherit through the agent:
 * `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` — DeepSpeed fails to re-initialise after an elastic
-  restart when the workers share the agent's rendezvous store (pytorch#135712);
+  restart when the workers share the agent's rendezvous store (pytorch#135712); global rank 0
+  then binds a store of its own on MASTER_PORT, which the agent draws outside the kernel's
+  ephemeral port range and holds until the next rendezvous (daemon/ports.py, agent.py's
+  `_install_hooks`), so no bind(0) on the host can take it before the worker binds it;
 * `DS_ACCELERATOR=cpu` when the job's device is cpu (gloo backend);
 * `NCCL_NVLS_ENABLE=0` always (NVLink multicast off: it needs fabric setup these hosts lack);
 * `DS3D_RUN_DIR`, `DS3D_JOB`, `PYTHONUNBUFFERED=1`;
