@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import reprlib
 import tomllib
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -545,8 +546,16 @@ def explain(err: ValidationError, source: str) -> str:
     return f"invalid job configuration ({source}):\n  " + "\n  ".join(lines)
 
 
+# repr with bounded work: a YAML value of anchors can expand to gigabytes when printed whole
+_BOUNDED_REPR = reprlib.Repr()
+for _limit, _n in (("maxlevel", 3), ("maxlist", 12), ("maxtuple", 12), ("maxdict", 12),
+                   ("maxset", 12), ("maxstring", 200), ("maxlong", 1000), ("maxother", 200)):
+    setattr(_BOUNDED_REPR, _limit, _n)
+
+
 def _short(value: Any) -> str:
-    return _clip(value if isinstance(value, str) and value.isidentifier() else repr(value))
+    return _clip(value if isinstance(value, str) and value.isidentifier()
+                 else _BOUNDED_REPR.repr(value))
 
 
 def _clip(text: str, limit: int = 80) -> str:

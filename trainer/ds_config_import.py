@@ -54,15 +54,48 @@ class Translation:
         enabled; an optimizer lr beside a constant scheduler's) are refused naming both: which
         one wins would depend on the keys' order in the file."""
         if path in self.fields and not _same(self.fields[path], value):
-            self.refuse(key, f"means {'.'.join(path)}={json.dumps(value)}, but "
+            self.refuse(key, f"means {'.'.join(path)}={shown(value)}, but "
                         f"{self.origin[path]} means {'.'.join(path)}="
-                        f"{json.dumps(self.fields[path])}; keep only one of the two")
+                        f"{shown(self.fields[path])}; keep only one of the two")
             return
         self.fields[path] = value
         self.origin[path] = key
 
     def refuse(self, key: str, why: str) -> None:
         self.problems.append(f"{key}: {why}")
+
+
+def shown(value: Any, limit: int = 80) -> str:
+    """A value of the user's file in a message: as JSON (other types as text), cut at `limit`
+    characters while it is written, so that a YAML value of anchors that expands to gigabytes
+    costs no more than a short one."""
+    parts: list[str] = []
+    room = limit + 1
+
+    def emit(text: str) -> None:
+        nonlocal room
+        parts.append(text[:room])
+        room -= len(text)
+
+    def walk(v: Any) -> None:
+        if isinstance(v, (list, tuple, dict)):
+            items = list(v.items()) if isinstance(v, dict) else list(v)
+            emit("{" if isinstance(v, dict) else "[")
+            for i, item in enumerate(items):
+                if room <= 0:
+                    return
+                emit(", " if i else "")
+                if isinstance(v, dict):
+                    emit(json.dumps(str(item[0])) + ": ")
+                    item = item[1]
+                walk(item)
+            emit("}" if isinstance(v, dict) else "]")
+        else:
+            emit(json.dumps(v, default=str))
+
+    walk(value)
+    text = "".join(parts)
+    return text if len(text) <= limit else f"{text[:limit]}..."
 
 
 # ---- reading the file -----------------------------------------------------------------------
@@ -131,14 +164,14 @@ def _number(tr: Translation, key: str, v: Any, *, integer: bool = False) -> bool
     ok = (isinstance(v, int) or isinstance(v, float) and v.is_integer()) if integer else \
         isinstance(v, (int, float))
     if isinstance(v, bool) or not ok:
-        tr.refuse(key, f"{v!r} is not {'an integer' if integer else 'a number'}")
+        tr.refuse(key, f"{shown(v)} is not {'an integer' if integer else 'a number'}")
         return False
     return True
 
 
 def _flag(tr: Translation, key: str, v: Any) -> bool:
     if not isinstance(v, bool):
-        tr.refuse(key, f"{v!r} is not true or false")
+        tr.refuse(key, f"{shown(v)} is not true or false")
         return False
     return True
 
@@ -146,15 +179,15 @@ def _flag(tr: Translation, key: str, v: Any) -> bool:
 def _only(tr: Translation, key: str, v: Any, allowed: Any, why: str) -> None:
     """A key ds3d accepts only at the value that restates what it does."""
     if v is None or v == allowed or v == AUTO:
-        tr.notes.append(f"{key}={json.dumps(v)}: {why}" if v is not None else f"{key}: {why}")
+        tr.notes.append(f"{key}={shown(v)}: {why}" if v is not None else f"{key}: {why}")
     else:
-        tr.refuse(key, f"{json.dumps(v)} is not supported by ds3d ({why}); remove the key or set "
-                  f"it to {json.dumps(allowed)}")
+        tr.refuse(key, f"{shown(v)} is not supported by ds3d ({why}); remove the key or set "
+                  f"it to {shown(allowed)}")
 
 
 def _section(tr: Translation, key: str, v: Any) -> dict[str, Any]:
     if not isinstance(v, dict):
-        tr.refuse(key, f"expected an object {{...}}, got {json.dumps(v)}")
+        tr.refuse(key, f"expected an object {{...}}, got {shown(v)}")
         return {}
     return v
 
@@ -337,7 +370,7 @@ def _optimizer(tr: Translation, key: str, value: Any) -> None:
     block = _section(tr, key, value)
     kind = block.get("type")
     if not isinstance(kind, str) or kind.lower() not in _ADAM_TYPES:
-        tr.refuse(f"{key}.type", f"{json.dumps(kind)}: ds3d trains with AdamW only (decoupled "
+        tr.refuse(f"{key}.type", f"{shown(kind)}: ds3d trains with AdamW only (decoupled "
                   "weight decay on matrices); use \"Adam\" or \"AdamW\", or remove the block "
                   "and set train.lr / train.betas / train.eps / train.weight_decay")
         return
@@ -357,7 +390,7 @@ def _optimizer(tr: Translation, key: str, value: Any) -> None:
                                 for b in v)):
                     tr.set(("train", "betas"), [float(b) for b in v], full)
                 else:
-                    tr.refuse(full, f"{json.dumps(v)} is not a pair of numbers [beta1, beta2]")
+                    tr.refuse(full, f"{shown(v)} is not a pair of numbers [beta1, beta2]")
         elif k == "adam_w_mode":
             _only(tr, full, v, True, "ds3d's Adam is AdamW (decoupled weight decay)")
         elif k == "bias_correction":
@@ -365,7 +398,7 @@ def _optimizer(tr: Translation, key: str, value: Any) -> None:
         elif k == "amsgrad":
             _only(tr, full, v, False, "ds3d's AdamW does not use AMSGrad")
         elif k in ("torch_adam", "fused"):
-            tr.notes.append(f"{full}={json.dumps(v)}: selects an implementation only; ds3d uses "
+            tr.notes.append(f"{full}={shown(v)}: selects an implementation only; ds3d uses "
                             "torch.optim.AdamW (fused on GPU)")
         elif k == "max_grad_norm":
             tr.checks.append(lambda cfg, v=v, full=full: _max_grad_norm(cfg, full, v))
@@ -409,7 +442,7 @@ def _scheduler(tr: Translation, key: str, value: Any) -> None:
         hint += f", train.min_lr_ratio={params.get('cos_min_ratio', 1e-4)}"
     elif kind == "WarmupLR":
         hint += ", train.min_lr_ratio=1.0 (constant after warm-up)"
-    tr.refuse(f"{key}.type", f"{json.dumps(kind)} is not exactly ds3d's schedule (linear warm-up "
+    tr.refuse(f"{key}.type", f"{shown(kind)} is not exactly ds3d's schedule (linear warm-up "
               "whose first step trains at lr/warmup_steps, then cosine to min_lr_ratio x lr at "
               "train.steps; DeepSpeed's warm-ups start at the minimum, default 'log' shape, "
               "and WarmupDecayLR decays linearly); remove the scheduler block and set the "
@@ -483,7 +516,7 @@ def _grad_accum_dtype(cfg: Any, key: str, v: Any) -> str | None:
         cfg.train.precision == "bf16" and cfg.parallel.zero_stage == 1) else None
     if v == ds3d or v is None:
         return None
-    return (f"{key}={json.dumps(v)}: with train.precision={cfg.train.precision!r} and "
+    return (f"{key}={shown(v)}: with train.precision={cfg.train.precision!r} and "
             f"zero_stage={cfg.parallel.zero_stage} ds3d accumulates gradients "
             f"{'in ' + ds3d if ds3d else 'as DeepSpeed does by default'}; remove the key")
 
@@ -501,7 +534,7 @@ DEEPSPEED_KEYS: dict[str, Callable[[Translation, str, Any], None]] = {
     "data_types": _data_types,
     "wall_clock_breakdown": _wall_clock,
     "zero_allow_untested_optimizer": lambda tr, key, v: tr.notes.append(
-        f"{key}={json.dumps(v)}: no effect, ds3d's torch AdamW is one DeepSpeed tests with ZeRO"),
+        f"{key}={shown(v)}: no effect, ds3d's torch AdamW is one DeepSpeed tests with ZeRO"),
     "prescale_gradients": _fixed(False, "ds3d averages gradients after the reduction"),
     "gradient_predivide_factor": _fixed(1.0, "ds3d averages gradients after the reduction"),
     "sparse_gradients": _fixed(False, "ds3d's gradients are dense"),
@@ -573,8 +606,8 @@ def import_into(data: dict[str, Any], explicit: dict[FieldPath, str]) -> Transla
             value = tr.derived_accum  # the user's explicit accumulation must equal the derived
         if where is not None and not _same(_get(data, fpath), value):
             tr.problems.append(
-                f"{tr.origin[fpath]} means {'.'.join(fpath)}={json.dumps(value)}, but "
-                f"{where} sets {'.'.join(fpath)}={json.dumps(_get(data, fpath))}; remove one "
+                f"{tr.origin[fpath]} means {'.'.join(fpath)}={shown(value)}, but "
+                f"{where} sets {'.'.join(fpath)}={shown(_get(data, fpath))}; remove one "
                 "of the two (a DeepSpeed JSON never silently overrides a ds3d setting)")
     if tr.problems:
         raise ConfigError(f"train.deepspeed_config={path!r} cannot be used as it is:\n  - "
@@ -608,8 +641,8 @@ def verify_job_matches(cfg: Any) -> None:
             continue  # written explicitly, equal to what the JSON's batch keys derive
         if not _same(_get(data, fpath), value):
             tr.problems.append(
-                f"{tr.origin[fpath]} means {'.'.join(fpath)}={json.dumps(value)}, but the job "
-                f"has {json.dumps(_get(data, fpath))}; build the job with `ds3dctl check`/"
+                f"{tr.origin[fpath]} means {'.'.join(fpath)}={shown(value)}, but the job "
+                f"has {shown(_get(data, fpath))}; build the job with `ds3dctl check`/"
                 "`ds3dctl start`, which translate the JSON, or make them agree")
     tr.problems += [p for p in (check(cfg) for check in tr.checks) if p]
     if tr.problems:

@@ -17,18 +17,17 @@ Standard library + PyYAML (a dependency of DeepSpeed); no torch.
 
 from __future__ import annotations
 
-import json
 import math
 import tomllib
 from pathlib import Path
 from typing import Any
 
 from .ds_config_import import (
-    AUTO,
     BATCH_KEYS,
     DEEPSPEED_KEYS,
     FieldPath,
     read_deepspeed_json,
+    shown,
     translate,
 )
 from .errors import ConfigError
@@ -136,18 +135,54 @@ def neox_notes(path: str | Path) -> list[str]:
     return translate_neox(Path(path))[2]
 
 
+def _arguments(raw: dict[Any, Any], problems: list[str]) -> dict[str, Any]:
+    """The YAML's keys as NeoX reads them ('-' and '_' are one argument); a key that is not a
+    name, or one argument written both ways, is a problem (which one would win?)."""
+    neox: dict[str, Any] = {}
+    written: dict[str, str] = {}
+    for key, value in raw.items():
+        if not isinstance(key, str):
+            problems.append(f"{shown(key)}: a NeoX argument is a name, not "
+                            f"{type(key).__name__}; remove it")
+            continue
+        name = key.replace("-", "_")
+        if name in neox:
+            problems.append(f"{written[name]} and {key} are the same NeoX argument with "
+                            f"different values ({shown(neox[name])}, {shown(value)}); keep "
+                            "one" if not _same_value(neox[name], value) else
+                            f"{written[name]} and {key} are the same NeoX argument; keep one")
+            continue
+        neox[name], written[name] = value, key
+    return neox
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    return type(a) is type(b) and a == b
+
+
 def translate_neox(path: Path) -> tuple[dict[str, Any], dict[FieldPath, str], list[str]]:
-    neox = {k.replace("-", "_"): v for k, v in _load_yaml(path).items()}  # NeoX's own reading
     label = str(path)
     job: dict[str, Any] = {"name": path.stem.lower().replace(" ", "-"), "model": {},
                            "parallel": {}, "train": {}, "checkpoint": {}}
     notes: list[str] = []
     problems: list[str] = []
+    neox = _arguments(_load_yaml(path), problems)
     get = lambda k: neox.get(k, _NEOX_DEFAULTS.get(k))  # noqa: E731
 
     def refuse(key: str, why: str) -> None:
-        problems.append(f"{key}={json.dumps(neox.get(key, _NEOX_DEFAULTS.get(key)))}"
+        problems.append(f"{key}={shown(neox.get(key, _NEOX_DEFAULTS.get(key)))}"
                         f"{'' if key in neox else ' (NeoX default)'}: {why}")
+
+    def number(key: str, default: Any = None, integer: bool = False) -> Any:
+        """The argument as a finite number (an int where `integer`), or None after refusing
+        it: YAML gives strings, lists, nulls and .inf as readily as numbers."""
+        value = neox.get(key, default)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and \
+            math.isfinite(value) and (not integer or float(value).is_integer())
+        if not ok:
+            refuse(key, f"is not {'an integer' if integer else 'a finite number'}")
+            return None
+        return int(value) if integer else float(value)
 
     # -- architecture: what ds3d's GPT is, or a refusal naming the field
     if get("pos_emb") != "rotary":
@@ -177,7 +212,8 @@ def translate_neox(path: Path) -> tuple[dict[str, Any], dict[FieldPath, str], li
             refuse(key, "ds3d's linear layers and norms have biases")
     attn = neox.get("attention_config")
     dense = (["global"], ["flash"], "global", "flash")
-    if attn is not None and not all(isinstance(a, list) and a and a[0] in dense for a in attn):
+    if attn is not None and not (isinstance(attn, list) and all(
+            isinstance(a, list) and a and a[0] in dense for a in attn)):
         refuse("attention_config", "ds3d's attention is global (dense) in every layer (global "
                "or flash)")
     if neox.get("output_layer_parallelism", "column") != "column":
@@ -185,20 +221,18 @@ def translate_neox(path: Path) -> tuple[dict[str, Any], dict[FieldPath, str], li
     for key, name in _MODEL_FIELDS.items():
         if key in neox:
             job["model"][name] = neox[key]
-    if "layernorm_epsilon" in neox:
-        job["model"]["norm_eps"] = float(neox["layernorm_epsilon"])
-    if "rotary_emb_base" in neox:
-        job["model"]["rope_theta"] = float(neox["rotary_emb_base"])
-    if "init_method_std" in neox:
-        job["model"]["init_std"] = float(neox["init_method_std"])
+    for key, name in (("layernorm_epsilon", "norm_eps"), ("rotary_emb_base", "rope_theta"),
+                      ("init_method_std", "init_std")):
+        if key in neox and (value := number(key)) is not None:
+            job["model"][name] = value
     seq, mpe = neox.get("seq_length"), neox.get("max_position_embeddings")
     if isinstance(seq, int) and isinstance(mpe, int) and mpe < seq:
         refuse("max_position_embeddings", f"is below seq_length={seq}")
 
-    tp = int(neox.get("model_parallel_size", 1) or 1)
+    tp = number("model_parallel_size", 1, integer=True) or 1
     job["parallel"]["tp"] = tp
-    job["parallel"]["pp"] = max(1, int(neox.get("pipe_parallel_size", 1) or 1))
-    vocab = _vocab_size(neox, tp, refuse)
+    job["parallel"]["pp"] = max(1, number("pipe_parallel_size", 1, integer=True) or 1)
+    vocab = _vocab_size(neox, tp, refuse, number)
     if vocab is not None:
         job["model"]["vocab_size"] = vocab
 
@@ -208,7 +242,7 @@ def translate_neox(path: Path) -> tuple[dict[str, Any], dict[FieldPath, str], li
     for key, name in (("weight_decay", "weight_decay"), ("seed", "seed")):
         if key in neox:
             job["train"][name] = neox[key]
-    _schedule(neox, job, refuse)
+    _schedule(neox, job, refuse, number)
     if neox.get("checkpoint_activations"):
         job["parallel"]["activation_checkpoint_interval"] = neox.get("checkpoint_num_layers", 1)
     if neox.get("partition_activations"):
@@ -218,7 +252,9 @@ def translate_neox(path: Path) -> tuple[dict[str, Any], dict[FieldPath, str], li
         else:
             notes.append("partition_activations=true: no effect at model_parallel_size 1")
     precision = neox.get("precision")
-    if precision is not None:
+    if precision is not None and not isinstance(precision, str):
+        refuse("precision", "is not a name such as fp16, bfloat16 or fp32")
+    elif precision is not None:
         job["train"]["precision"] = {"fp16": "fp16", "float16": "fp16", "bfloat16": "bf16",
                                      "bf16": "bf16", "fp32": "fp32", "float32": "fp32"}.get(
                                          precision, precision)
@@ -247,7 +283,8 @@ def translate_neox(path: Path) -> tuple[dict[str, Any], dict[FieldPath, str], li
     if "train_batch_size" not in ds and ("train", "global_batch_size") in tr.fields:
         # NeoX's batch is per GPU (micro x accumulation); the global batch follows DP
         del tr.fields[("train", "global_batch_size")]
-        tr.fields[("train", "grad_accum_steps")] = int(ds.get("gradient_accumulation_steps", 1))
+        tr.fields[("train", "grad_accum_steps")] = number("gradient_accumulation_steps", 1,
+                                                         integer=True)
     problems += tr.problems
     notes += tr.notes
     for fpath, value in tr.fields.items():
@@ -294,23 +331,27 @@ def _leaves(d: dict[str, Any], prefix: FieldPath = ()) -> list[FieldPath]:
     return out
 
 
-def _vocab_size(neox: dict[str, Any], tp: int, refuse: Any) -> int | None:
+def _vocab_size(neox: dict[str, Any], tp: int, refuse: Any, number: Any) -> int | None:
     """NeoX pads the tokenizer's vocabulary to a multiple of make_vocab_size_divisible_by x TP."""
     if "padded_vocab_size" in neox:
-        return int(neox["padded_vocab_size"])
+        return number("padded_vocab_size", integer=True)  # type: ignore[no-any-return]
     kind = neox.get("tokenizer_type", _NEOX_DEFAULTS["tokenizer_type"])
-    size = _TOKENIZER_VOCAB.get(kind)
+    size = _TOKENIZER_VOCAB.get(kind) if isinstance(kind, str) else None
     if kind == "HFTokenizer":
         size = _HF_TOKENIZER_VOCAB.get(Path(str(neox.get("vocab_file", ""))).name)
     if size is None:
         refuse("tokenizer_type", "ds3d cannot tell this tokenizer's vocabulary size from the "
                "YAML; add padded_vocab_size: N to it")
         return None
-    multiple = int(neox.get("make_vocab_size_divisible_by", 128)) * tp
-    return math.ceil(size / multiple) * multiple
+    multiple = number("make_vocab_size_divisible_by", 128, integer=True)
+    if multiple is None or multiple < 1:
+        if multiple is not None:
+            refuse("make_vocab_size_divisible_by", "must be 1 or more")
+        return None
+    return math.ceil(size / (multiple * tp)) * multiple * tp
 
 
-def _schedule(neox: dict[str, Any], job: dict[str, Any], refuse: Any) -> None:
+def _schedule(neox: dict[str, Any], job: dict[str, Any], refuse: Any, number: Any) -> None:
     """NeoX's cosine decay maps onto ds3d's (warm-up fraction of lr_decay_iters, min_lr as a
     share of lr); other decay styles, or a decay that ends before the job, are refused."""
     style = neox.get("lr_decay_style", "linear")
@@ -323,15 +364,16 @@ def _schedule(neox: dict[str, Any], job: dict[str, Any], refuse: Any) -> None:
         refuse("lr_decay_iters", f"ds3d decays over the whole job; set it to train_iters "
                f"({neox.get('train_iters')})")
         return
-    if isinstance(iters, int) and "warmup" in neox:
-        job["train"]["warmup_steps"] = int(round(float(neox["warmup"]) * iters))
+    if isinstance(iters, int) and "warmup" in neox and (warmup := number("warmup")) is not None:
+        job["train"]["warmup_steps"] = int(round(warmup * iters))
     opt = neox.get("optimizer")
-    lr = opt.get("params", {}).get("lr") if isinstance(opt, dict) else None
+    params = opt.get("params", {}) if isinstance(opt, dict) else None
+    lr = params.get("lr") if isinstance(params, dict) else None
     if "min_lr" in neox:
-        if not isinstance(lr, (int, float)) or lr <= 0 or lr == AUTO:
+        if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not lr > 0:
             refuse("min_lr", "needs optimizer.params.lr to express it as a share of lr")
-        else:
-            job["train"]["min_lr_ratio"] = float(neox["min_lr"]) / float(lr)
+        elif (min_lr := number("min_lr")) is not None:
+            job["train"]["min_lr_ratio"] = min_lr / float(lr)
     else:
         job["train"]["min_lr_ratio"] = 0.0  # NeoX's default min_lr is 0
 

@@ -292,3 +292,52 @@ def test_a_deepspeed_config_that_is_no_regular_file_or_too_big_is_refused_unread
     big = ds_file(tmp_path, "{" + " " * (2 << 20) + "}", "big.json")
     msg = refusal("tiny", big)
     assert "a DeepSpeed JSON is a few KiB" in msg and str(big) in msg
+
+
+@pytest.mark.parametrize("extra, words", [
+    ('"layernorm_epsilon": "abc"', ['layernorm_epsilon="abc": is not a finite number']),
+    ('"rotary_emb_base": [1]', ["rotary_emb_base=[1]: is not a finite number"]),
+    ('"init_method_std": null', ["init_method_std=null: is not a finite number"]),
+    ('"padded_vocab_size": "x"', ['padded_vocab_size="x": is not an integer']),
+    ('"make_vocab_size_divisible_by": "x"', ["make_vocab_size_divisible_by"]),
+    ('"make_vocab_size_divisible_by": 0', ["make_vocab_size_divisible_by=0: must be 1 or more"]),
+    ('"warmup": "ten percent"', ['warmup="ten percent": is not a finite number']),
+    ('"precision": ["fp16"]', ["precision=[\"fp16\"]: is not a name"]),
+    ('"attention_config": 5', ["attention_config=5"]),
+    ('"tokenizer_type": [1]', ["tokenizer_type"]),
+    ('"optimizer": {"type": "Adam", "params": [1]}', ["optimizer.params"]),
+    ('"model-parallel-size": 2', ["model_parallel_size and model-parallel-size are the same "
+                                  "NeoX argument; keep one"]),
+    ('"pipe-parallel-size": 4', ["pipe_parallel_size and pipe-parallel-size are the same NeoX "
+                                 "argument with different values (2, 4); keep one"]),
+    ('1: 2', ["1: a NeoX argument is a name, not int"]),
+])
+def test_neox_values_of_the_wrong_type_are_refused_naming_the_key(tmp_path, extra, words):
+    """Was: ValueError/TypeError/AttributeError tracebacks from float()/int()/str.replace on the
+    YAML's values and keys, and the same argument written with '-' and '_' silently
+    deduplicated by whichever came last."""
+    f = ds_file(tmp_path, NEOX.replace('"hostfile": "/mock_path",',
+                                       f'"hostfile": "/mock_path", {extra},'), "odd.yml")
+    msg = refusal(str(f))
+    assert all(w in msg for w in words), msg
+
+
+@pytest.mark.parametrize("n", [("model_parallel_size", ".inf"), ("pipe_parallel_size", "2.5"),
+                               ("model_parallel_size", '"x"')])
+def test_neox_parallel_sizes_must_be_integers(tmp_path, n):
+    key, value = n
+    f = ds_file(tmp_path, NEOX.replace(f'"{key}": 2', f'"{key}": {value}'), "p.yml")
+    assert f"{key}=" in refusal(str(f)) and "is not an integer" in refusal(str(f))
+
+
+@pytest.mark.timeout(60)
+def test_a_yaml_of_expanding_anchors_is_refused_in_a_short_message(tmp_path):
+    """Was: a 1 KB YAML whose anchors expand to 4 * 10**7 strings made a 254 MB refusal (12 s,
+    500 MB of memory); one level more runs out of memory."""
+    levels = ['&a0 ["x", "x", "x", "x", "x", "x", "x", "x", "x"]']
+    levels += [f"&a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 9)]
+    text = NEOX.replace('"hostfile": "/mock_path",',
+                        f'"hostfile": [{", ".join(levels)}], "bogus_key": *a8,'
+                        ' "num_layers": *a8,').replace('"num_layers": 4,', "")
+    msg = refusal(str(ds_file(tmp_path, text, "bomb.yml")))
+    assert "bogus_key=" in msg and len(msg) < 4000, len(msg)
