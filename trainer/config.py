@@ -630,6 +630,9 @@ def build_job_config(source: str, overrides: list[str] | None = None,
                               f"({', '.join(PRESETS)}) or the path of a TOML file")
         try:
             raw = tomllib.loads(path.read_text())
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"config file {source!r} cannot be read as a UTF-8 TOML file: "
+                              f"{e}") from None
         except tomllib.TOMLDecodeError as e:
             from .neox_import import not_toml_message
             raise ConfigError(not_toml_message(path, e)) from None
@@ -652,7 +655,8 @@ def build_job_config(source: str, overrides: list[str] | None = None,
         explicit[tuple(path)] = f"--set {item}"
     if name is not None:
         data["name"] = name
-    data.setdefault("name", data.get("preset") or Path(source).stem)
+    preset = data.get("preset")
+    data.setdefault("name", preset if isinstance(preset, str) and preset else Path(source).stem)
     translation = None
     if isinstance(data.get("train"), dict) and data["train"].get("deepspeed_config"):
         from .ds_config_import import import_into  # its keys become fields (one meaning)

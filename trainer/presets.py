@@ -56,8 +56,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def preset_dict(name: str) -> dict[str, Any]:
-    if name not in PRESETS:
+def preset_dict(name: Any) -> dict[str, Any]:
+    """A preset's settings; `name` comes from a TOML file or --set, so it may be any value."""
+    if not isinstance(name, str) or name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)} or give "
                           "the path of a TOML job file")
     return copy.deepcopy(PRESETS[name])

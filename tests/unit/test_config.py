@@ -92,6 +92,27 @@ def test_broken_toml_is_reported(tmp_path):
         build_job_config(str(f))
 
 
+@pytest.mark.parametrize("content, phrase", [
+    (b'preset = ["tiny"]\n', "unknown preset ['tiny']; choose one of tiny"),
+    (b"preset = 5\n", "unknown preset 5; choose one of tiny"),
+    (b'preset = "tiny"\nname = "caf\xe9"\n', "cannot be read as a UTF-8 TOML file"),
+])
+def test_a_toml_file_of_odd_values_is_refused_not_a_traceback(tmp_path, content, phrase):
+    """Was: TypeError (unhashable list) and UnicodeDecodeError tracebacks in ds3dctl."""
+    f = tmp_path / "job.toml"
+    f.write_bytes(content)
+    with pytest.raises(ConfigError) as err:
+        build_job_config(str(f))
+    assert phrase in str(err.value), str(err.value)
+
+
+def test_a_preset_override_that_is_no_name_is_refused_as_a_preset():
+    """Was: `--set preset=[1]` was reported as `name=[1]` (the name is taken from the preset)."""
+    with pytest.raises(ConfigError) as err:
+        build_job_config("tiny", ["preset=[1]"])
+    assert "preset=[1]" in str(err.value) and "name=" not in str(err.value)
+
+
 def test_override_syntax():
     assert parse_override("train.lr=1e-4") == (["train", "lr"], 1e-4)
     assert parse_override("parallel.partition_method=[3,4,5]")[1] == [3, 4, 5]
