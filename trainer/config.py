@@ -33,6 +33,9 @@ JOB_NAME_RE = re.compile(rf"\A{JOB_NAME_PATTERN}\Z")
 JOB_NAME_RULE = ("1-63 characters of a-z, 0-9, '.', '_' or '-', starting with a letter or digit "
                  "(it names a folder and a store prefix, so no '/', '..', spaces or newlines)")
 MAX_TEXT_CHARS = 4096  # any string setting (paths, URLs, hosts)
+# Why a job's paths are absolute: a relative one would name a different file for each reader
+RELATIVE_PATH_WHY = ("ds3dctl reads it from your folder, ds3dd from its own and the workers from "
+                     "the job's run directory, so a relative path names a different file for each")
 
 # Upper bounds (docs/configuration.md lists every range): generous for the largest jobs run
 # today, small enough that every product the daemon computes fits int64 (and the proto's int32
@@ -769,7 +772,12 @@ def validate_job(cfg: JobConfig, world_size: int | None = None) -> None:
     if cfg.checkpoint.store is not None and not re.match(r"^(file|s3)://", cfg.checkpoint.store):
         problems.append(f"checkpoint.store={cfg.checkpoint.store!r}: use file:///absolute/path "
                         "or s3://bucket/prefix")
-    if t.deepspeed_config is not None and not is_readable_file(t.deepspeed_config):
+    for where, path in (("checkpoint.local_dir", cfg.checkpoint.local_dir),
+                        ("train.deepspeed_config", t.deepspeed_config)):
+        if path is not None and not Path(path).is_absolute():
+            problems.append(f"{where}={path!r}: use an absolute path ({RELATIVE_PATH_WHY})")
+    if t.deepspeed_config is not None and Path(t.deepspeed_config).is_absolute() and \
+            not is_readable_file(t.deepspeed_config):
         problems.append(f"train.deepspeed_config={t.deepspeed_config!r} does not exist")
     for start, end in cfg.data.skip_batches:
         if not 0 <= start < end:

@@ -320,6 +320,31 @@ def test_issue17_4_control_characters_in_paths_are_refused(field):
         build_job_config("tiny", [f"{field}={value}"])
 
 
+@pytest.mark.parametrize("field, value", [
+    ("data.source", "tokens.bin"), ("data.source", "./data/tokens.bin"),
+    ("checkpoint.local_dir", "ckpt"), ("train.deepspeed_config", "ds.json")])
+def test_a_relative_path_in_a_job_is_refused(tmp_path, monkeypatch, field, value):
+    """Was: accepted, and read from three places: ds3dctl's folder (validation, the DeepSpeed
+    JSON's translation), ds3dd's (its store and data checks, the local tier it watches and
+    uploads from) and the run directory (the workers' cwd)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    for name in ("tokens.bin", "data/tokens.bin"):
+        (tmp_path / name).write_bytes(bytes(4096))
+    (tmp_path / "ds.json").write_text("{}")
+    data = json.loads(build_job_config("tiny").dump_json())
+    section, key = field.split(".")
+    data[section][key] = value
+    with pytest.raises(ConfigError) as err:  # as ds3dd reads a request
+        validate_job(JobConfig.parse_json(json.dumps(data), "request"))
+    msg = str(err.value)
+    assert f"{field}={value!r}: use an absolute path" in msg and "run directory" in msg, msg
+    with pytest.raises(ConfigError, match=f"{field}=.*use an absolute path"):  # ds3dctl
+        build_job_config("tiny", [f'{field}="{value}"'])
+    absolute = build_job_config("tiny", [f'{field}="{tmp_path / value}"'])
+    assert str(tmp_path) in json.dumps(absolute.model_dump(mode="json"))
+
+
 def test_issue17_4_an_unreadable_path_is_a_refusal_not_a_crash():
     """A name too long for the filesystem made Path.is_file raise (INTERNAL in ds3dd)."""
     data = json.loads(build_job_config("tiny").dump_json())
