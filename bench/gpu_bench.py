@@ -577,13 +577,14 @@ def _launch_agent(run_dir: Path, env: dict, max_restarts: int, log: Path) -> sub
     the agent restarts after a crash does not import them again. The agent's output (stdout
     and stderr, as ds3dd keeps it) goes to `log`, the workers' to RUN_DIR/logs/agent
     (`_worker_log`)."""
-    import socket
-
     from ds3d.daemon.launcher import AgentSpec
+    from ds3d.daemon.ports import hold_port
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    # the rendezvous port, drawn outside the kernel's ephemeral range so that no bind(0) on
+    # the host can take it before the agent binds it (daemon/ports.py); released at once: no
+    # other ds3d draws ports on the bench's host
+    with hold_port() as rendezvous:
+        port = rendezvous.port
     control = run_dir / "control"
     control.mkdir(parents=True, exist_ok=True)
     spec = control / "bench-agent.json"

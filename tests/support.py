@@ -30,16 +30,18 @@ def torchrun(run_dir: Path, nproc: int, config: str = "tiny", sets: list[str] | 
     a failed group up to `max_restarts` times, as `torchrun --max-restarts`. The agent's output
     and every worker's stdout/stderr are gathered in RUN_DIR/torchrun.log."""
     from ds3d.daemon.launcher import AgentSpec
-
-    from fixtures.s3 import free_port
+    from ds3d.daemon.ports import hold_port
 
     args = ["--config", config] + [a for s in sets or [] for a in ("--set", s)] + (extra or [])
     control = run_dir / "control"
     control.mkdir(parents=True, exist_ok=True)
     logs = run_dir / "logs" / "torchrun"
     spec_file = control / "torchrun-agent.json"
-    for attempt in range(3):
-        AgentSpec.standalone(run_dir, nproc, free_port(), max_restarts, "torchrun",
+    # the rendezvous port, held by this process until the agent is done: outside the ephemeral
+    # range and held, so neither a bind(0) nor a parallel test can take it before the agent's
+    # c10d store binds it (daemon/ports.py); the agent holds the workers' MASTER_PORT alike
+    with hold_port() as rendezvous:
+        AgentSpec.standalone(run_dir, nproc, rendezvous.port, max_restarts, "torchrun",
                              worker_args=args,
                              # the job's own op build folder, seeded from the warm cache (as
                              # ds3dd does): a worker killed in one test while it loads an op
@@ -50,10 +52,6 @@ def torchrun(run_dir: Path, nproc: int, config: str = "tiny", sets: list[str] | 
                                str(spec_file)],
                               env=worker_env(DS3D_RUN_DIR=str(run_dir), **(env or {})),
                               capture_output=True, text=True, timeout=timeout)
-        # the free port was taken by a parallel test before the agent's rendezvous bound it:
-        # no worker started, so the same job is launched again on another port
-        if proc.returncode == 0 or "EADDRINUSE" not in proc.stderr or attempt == 2:
-            break
     logs_by_rank = {f.relative_to(logs).as_posix(): f.read_text(errors="replace")
                     for f in sorted(logs.glob("**/std*.log"))}
     (run_dir / "torchrun.log").write_text(proc.stdout + proc.stderr +
