@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ds3d.trainer.config import JobConfig, build_job_config
+from ds3d.trainer.config import JobConfig, build_job_config, validate_for_daemon
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,7 @@ def validated_job(source: str, overrides: list[str], name: str | None = None) ->
 
     cfg = build_job_config(source, overrides, name)
     check_with_deepspeed(cfg)
+    validate_for_daemon(cfg)
     return cfg
 
 

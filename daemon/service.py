@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ds3d.checkpoints.identity import new_job_id, write_local_job_id
-from ds3d.trainer.config import JobConfig, validate_job
+from ds3d.trainer.config import JobConfig, validate_for_daemon, validate_job
 from ds3d.trainer.errors import ConfigError, NotFoundError, StateError
 from ds3d.trainer.kinds import EventKind, FaultKind
 from ds3d.trainer.memory_model import NodeResources
@@ -83,15 +83,7 @@ def parse_config(config_json: str) -> JobConfig:
 
     verify_job_matches(cfg)
     check_with_deepspeed(cfg)
-    if cfg.launch.nnodes > 1 and len(cfg.launch.hosts) != cfg.launch.nnodes:
-        raise ConfigError(
-            f"launch.nnodes={cfg.launch.nnodes} needs launch.hosts with one daemon address per "
-            f"node, this (head) node first; got {len(cfg.launch.hosts)}")
-    if cfg.launch.nnodes > 1 and not cfg.checkpoint.store:
-        raise ConfigError(
-            f"launch.nnodes={cfg.launch.nnodes} needs checkpoint.store: a durable tier every node "
-            "writes to (s3://bucket/prefix, or file:///path on a shared filesystem); each rank "
-            "saves its own shard there")
+    validate_for_daemon(cfg)
     return cfg
 
 

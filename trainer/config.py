@@ -793,6 +793,25 @@ def validate_job(cfg: JobConfig, world_size: int | None = None) -> None:
                           + "\n  - ".join(problems))
 
 
+def validate_for_daemon(cfg: JobConfig) -> None:
+    """What a job run by ds3dd needs beyond `validate_job`: launch.hosts names the daemons of
+    its nodes, one per node, and a multi-node job a store every node writes to. Checked by
+    `ds3dctl check`/`start` and by ds3dd on receipt; a worker under plain torchrun (its own
+    rendezvous, no daemons) does not need them."""
+    launch = cfg.launch
+    if (launch.nnodes > 1 or launch.hosts) and len(launch.hosts) != launch.nnodes:
+        raise ConfigError(
+            f"launch.nnodes={launch.nnodes} needs launch.hosts with one daemon address per node, "
+            f"this (head) node first; got {len(launch.hosts)}"
+            + ("" if launch.nnodes > 1 else ": set launch.nnodes to the number of hosts "
+               "(`--hosts` alone does), or remove launch.hosts for a one-node job"))
+    if launch.nnodes > 1 and not cfg.checkpoint.store:
+        raise ConfigError(
+            f"launch.nnodes={launch.nnodes} needs checkpoint.store: a durable tier every node "
+            "writes to (s3://bucket/prefix, or file:///path on a shared filesystem); each rank "
+            "saves its own shard there")
+
+
 def _memory_interval_problems(c: CheckpointConfig) -> list[str]:
     """Memory-only snapshots are taken between durable saves, so they need durable saves more
     than `memory_interval` steps apart."""

@@ -2,6 +2,7 @@
 value and what to do instead."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -368,3 +369,29 @@ def test_issue17_refusals_stay_small_whatever_the_request_held():
     with pytest.raises(ConfigError) as err:
         JobConfig.parse_json(json.dumps(data), "request")
     assert len(str(err.value)) < 4000 and "more problems" in str(err.value)
+
+
+@pytest.mark.parametrize("sets, phrase", [
+    (["launch.hosts=['10.0.0.2:7531']"], None),  # one host for one node: the head itself
+    (["launch.hosts=['10.0.0.1:7531', '10.0.0.2:7531']"],
+     "launch.nnodes=1 needs launch.hosts with one daemon address per node, this (head) node "
+     "first; got 2: set launch.nnodes to the number of hosts"),
+    (["launch.nnodes=2", "parallel.dp=2", "checkpoint.store='file:///tmp/s'"],
+     "launch.nnodes=2 needs launch.hosts"),
+    (["launch.nnodes=2", "parallel.dp=2", "launch.hosts=['10.0.0.1:7531', '10.0.0.2:7531']"],
+     "launch.nnodes=2 needs checkpoint.store"),
+])
+def test_daemon_jobs_name_one_host_per_node_in_check_and_in_ds3dd(sets, phrase):
+    """Was: hosts beside nnodes=1 were silently ignored by ds3dd (a one-node job ran), and
+    `ds3dctl check` passed multi-node jobs ds3dd then refused (its checks were its own)."""
+    from ds3d.daemon.check import validated_job
+    from ds3d.daemon.service import parse_config
+
+    if phrase is None:
+        validated_job("tiny", sets)
+        return
+    with pytest.raises(ConfigError, match=re.escape(phrase)):
+        validated_job("tiny", sets)
+    raw = build_job_config("tiny", sets)  # a worker under torchrun takes it as it is
+    with pytest.raises(ConfigError, match=re.escape(phrase)):
+        parse_config(raw.dump_json())
