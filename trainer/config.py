@@ -16,6 +16,7 @@ import reprlib
 import tomllib
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
+from urllib.parse import urlparse
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator
 
@@ -769,9 +770,8 @@ def validate_job(cfg: JobConfig, world_size: int | None = None) -> None:
             f"the job has {world_size} processes but tp x pp x dp = {p.tp} x {p.pp} x {p.dp} = "
             f"{p.world_size}; the world size must be the product of the three degrees")
     problems += _memory_interval_problems(cfg.checkpoint)
-    if cfg.checkpoint.store is not None and not re.match(r"^(file|s3)://", cfg.checkpoint.store):
-        problems.append(f"checkpoint.store={cfg.checkpoint.store!r}: use file:///absolute/path "
-                        "or s3://bucket/prefix")
+    if cfg.checkpoint.store is not None and (why := _store_url_problem(cfg.checkpoint.store)):
+        problems.append(f"checkpoint.store={cfg.checkpoint.store!r}: {why}")
     for where, path in (("checkpoint.local_dir", cfg.checkpoint.local_dir),
                         ("train.deepspeed_config", t.deepspeed_config)):
         if path is not None and not Path(path).is_absolute():
@@ -810,6 +810,23 @@ def validate_for_daemon(cfg: JobConfig) -> None:
             f"launch.nnodes={launch.nnodes} needs checkpoint.store: a durable tier every node "
             "writes to (s3://bucket/prefix, or file:///path on a shared filesystem); each rank "
             "saves its own shard there")
+
+
+def _store_url_problem(url: str) -> str | None:
+    """The URL forms checkpoints/storage.py opens, checked here so that `ds3dctl check` refuses
+    what ds3dd's store check would (`file://data/x` is host "data", path "/x")."""
+    if not url.startswith(("file://", "s3://")):
+        return "use file:///absolute/path or s3://bucket/prefix"
+    parsed = urlparse(url)
+    if parsed.scheme == "file" and parsed.netloc in ("", "localhost") and \
+            parsed.path.startswith("/") and parsed.path.strip("/"):
+        return None
+    if parsed.scheme == "s3" and parsed.netloc:
+        return None
+    if parsed.scheme == "file":
+        return ("a file URL needs an absolute path other than /, with three slashes, e.g. "
+                "file:///data/ckpt")
+    return "an S3 URL needs a bucket, e.g. s3://my-bucket/ckpt"
 
 
 def _memory_interval_problems(c: CheckpointConfig) -> list[str]:

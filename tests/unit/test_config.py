@@ -395,3 +395,24 @@ def test_daemon_jobs_name_one_host_per_node_in_check_and_in_ds3dd(sets, phrase):
     raw = build_job_config("tiny", sets)  # a worker under torchrun takes it as it is
     with pytest.raises(ConfigError, match=re.escape(phrase)):
         parse_config(raw.dump_json())
+
+
+@pytest.mark.parametrize("url, phrase", [
+    ("file://data/ckpt", "three slashes"), ("file://", "three slashes"),
+    ("file:///", "other than /"), ("s3://", "needs a bucket"), ("S3://b/p", "use file:///"),
+    ("http://x", "use file:///"),
+])
+def test_a_store_url_ds3dd_cannot_open_is_refused_by_check(url, phrase):
+    """Was: `ds3dctl check` passed `file://data/ckpt` (host "data", path "/ckpt") and `s3://`,
+    which only ds3dd's store check refused; `file://` would have been the folder /<name>."""
+    from ds3d.daemon.check import validated_job
+
+    with pytest.raises(ConfigError) as err:
+        validated_job("tiny", [f'checkpoint.store="{url}"'])
+    assert f"checkpoint.store={url!r}: " in str(err.value) and phrase in str(err.value)
+
+
+def test_store_urls_ds3dd_opens_are_accepted():
+    for url in ("file:///data/ckpt", "file://localhost/data/ckpt", "s3://bucket",
+                "s3://bucket/a/b"):
+        assert build_job_config("tiny", [f'checkpoint.store="{url}"']).checkpoint.store == url
