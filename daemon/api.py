@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from collections.abc import Iterator
 from typing import Any, TypeVar, cast
@@ -45,6 +46,31 @@ def _name(name: str) -> str:
         shown = repr(name) if len(name) <= 80 else f"{name[:80]!r}... ({len(name)} characters)"
         raise ConfigError(f"job name {shown} is not allowed: use {JOB_NAME_RULE}")
     return name
+
+
+def check_share_request(request: pb.StartShareRequest, job: str) -> None:
+    """The launch fields of a StartShare, as the head builds them (supervisor.py,
+    rendezvous.rendezvous_run_id): a malformed one would replace the node's running agent of
+    the job with one that cannot start."""
+    problems = []
+    if not request.head_node or not request.head_node.isprintable() or \
+            request.head_node != request.head_node.strip():
+        problems.append(f"head_node={request.head_node!r}: the head daemon's node name")
+    host, _, port = request.rdzv_endpoint.rpartition(":")
+    port_ok = port.isascii() and port.isdigit() and len(port) <= 5 and 1 <= int(port) <= 65535
+    if not host or not host.isprintable() or " " in host or not port_ok:
+        problems.append(f"rdzv_endpoint={request.rdzv_endpoint[:80]!r}: HOST:PORT of the "
+                        "job's rendezvous, a port from 1 to 65535")
+    if request.attempt < 1:
+        problems.append(f"attempt={request.attempt}: the head's launch attempt, 1 or more")
+    rest = request.run_id.removeprefix(f"{job}-")
+    if rest == request.run_id or not rest.endswith(f"a{request.attempt}") or \
+            not re.fullmatch(r"([0-9a-f]{12}-)?a[0-9]+", rest):
+        problems.append(f"run_id={request.run_id[:80]!r}: {job}-a{request.attempt} (or "
+                        f"{job}-<job id>-a{request.attempt} with an etcd rendezvous)")
+    if problems:
+        raise ConfigError("StartShare for job " + repr(job) + " is malformed, so this node's "
+                          "share was left as it was: " + "; ".join(problems))
 
 
 def split_to_proto(split: dict[str, Any] | None) -> pb.StepSplit | None:
@@ -305,7 +331,8 @@ class ControlServicer(pb_grpc.ControlServicer):
                 f"StartShare from head node {request.head_node!r} reached a daemon of the same "
                 "node name: either launch.hosts lists the head twice, or two daemons share a "
                 "--node-name (give each daemon its own)")
-        parse_config(request.config_json)  # the same check as StartJob, before any process
+        cfg = parse_config(request.config_json)  # the same check as StartJob, before any process
+        check_share_request(request, cfg.name)  # before the job's running agent is replaced
         handle = self.shares.start(request)
         return pb.StartShareResponse(node=self.node, agent_pid=handle.ref.pid)
 

@@ -263,12 +263,12 @@ class Shares:
         self._lock = threading.Lock()
 
     def start(self, req: pb.StartShareRequest) -> AgentHandle:
+        """Starts (or restarts) this node's agent of the job; `req` was checked by the servicer
+        (api.py: parse_config, check_share_request)."""
         try:
             cfg = JobConfig.model_validate_json(req.config_json)
         except ValueError as e:
             raise ConfigError(f"StartShare: the job configuration does not parse: {e}") from None
-        if not req.rdzv_endpoint or not req.run_id:
-            raise ConfigError("StartShare needs rdzv_endpoint and run_id")
         jobdir = JobDir(self.root, cfg.name)
         with self._lock:
             self._fence(cfg.name, req.leader_token, "StartShare",
