@@ -160,15 +160,21 @@ class Partition:
 
 def read_partition_file(run_dir: str | Path | None, cfg: JobConfig) -> dict[str, Any] | None:
     """RUN_DIR/partition.json when it fits this job (same model, stage count); else None. A file
-    that does not fit (the job was restarted with another pp or model) is ignored, not fatal."""
+    that does not fit (the job was restarted with another pp or model) is ignored, not fatal;
+    so is one that is no partition file at all (not a JSON object, boundaries that are not
+    integers: `ds3dctl status` shows the source the job falls back to), since every GetJob,
+    ListJobs and launch reads it."""
     if run_dir is None:
         return None
     try:
         data = json.loads((Path(run_dir) / PARTITION_FILE).read_text())
-    except (FileNotFoundError, ValueError):
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict):
         return None
     parts = data.get("boundaries")
-    if not isinstance(parts, list) or data.get("model_hash") not in (None, cfg.model_hash()) or \
+    if not isinstance(parts, list) or not all(type(b) is int for b in parts) or \
+            data.get("model_hash") not in (None, cfg.model_hash()) or \
             check_runnable(parts, cfg.model.n_layers, cfg.parallel.pp) is not None:
         return None
     return dict(data)

@@ -450,6 +450,25 @@ def test_job_status_shows_the_partition(tmp_path):
     assert (list(status.stage_boundaries), status.partition_source) == ([0, 4, 6], "rebalance")
 
 
+@pytest.mark.parametrize("content", ["[0, 4, 6]", "5", "null", '"x"', "DIR",
+                                     '{"boundaries": [0, 3.5, 6]}',
+                                     '{"boundaries": [false, 4, 6]}'])
+def test_a_partition_file_that_is_no_partition_is_ignored_not_a_crash(tmp_path, content):
+    """Was: AttributeError (a JSON list or number) or IsADirectoryError from every GetJob and
+    ListJobs of the daemon (job_to_proto reads the file), and [0, 3.5, 6] ran as [0, 3, 6]."""
+    from ds3d.daemon.api import job_to_proto
+
+    svc, store, cfg = _service(tmp_path)
+    path = tmp_path / "jobs" / "pj" / "partition.json"
+    if content == "DIR":
+        path.mkdir()
+    else:
+        path.write_text(content)
+    status = job_to_proto(store.get_job("pj"))
+    assert (list(status.stage_boundaries), status.partition_source) == ([0, 3, 6], "parameters")
+    assert read_partition_file(path.parent, cfg) is None
+
+
 # ---- stage 0 never holds the embedding alone (DeepSpeed's ZeRO step hangs on it) -------------
 
 def test_stage_zero_keeps_a_block_beside_the_embedding():
