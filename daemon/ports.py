@@ -118,7 +118,7 @@ def hold_port(rules: PortRules | None = None, tries: int = TRIES) -> HeldPort:
     first, last = rules.ephemeral
     log.warning("ds3d ports: no free port outside the kernel's ephemeral range %d-%d (%s; "
                 "%d reserved, %d candidates, %d tried): using a kernel-assigned port from that "
-                "range, held until its process binds it", first, last, EPHEMERAL_RANGE_FILE,
+                "range instead, held all the same", first, last, EPHEMERAL_RANGE_FILE,
                 len(rules.reserved), len(candidates), min(tries, len(candidates)))
     sock = _bind_wildcard(0)
     if sock is None:

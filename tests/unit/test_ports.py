@@ -102,3 +102,53 @@ def test_every_candidate_taken_falls_back_too(caplog):
             with hold_port(rules) as held:
                 assert held.port != taken.port
     assert sum(r.name == "ds3d.daemon.ports" for r in caplog.records) == 1
+
+
+NAMESPACE_PROBE = r'''
+import socket
+from ds3d.daemon.ports import PortRules, hold_port
+
+assert PortRules.of_host().ephemeral == (40000, 40009)
+with hold_port() as drawn:
+    assert not 40000 <= drawn.port <= 40009, drawn.port
+held = hold_port(PortRules((1024, 65535)))  # the fallback: a kernel-assigned port, held
+assert 40000 <= held.port <= 40009, held.port
+server = socket.create_server(("127.0.0.1", 5000), backlog=64)
+taken = []
+for _ in range(20):  # until the kernel runs out: every bind(0) and connect it can serve
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", 0))
+    except OSError:
+        break
+    taken.append(s)
+for _ in range(20):
+    c = socket.socket()
+    try:
+        c.connect(("127.0.0.1", 5000))
+    except OSError:
+        break
+    taken.append(c)
+ports = sorted(s.getsockname()[1] for s in taken)
+assert ports and held.port not in ports, (held.port, ports)
+print("ok", held.port, ports)
+'''
+
+
+def test_the_kernel_hands_no_held_port_to_bind0_or_connect():
+    """In a network namespace of its own (unshare -rn) with a 10-port ephemeral range: the
+    chooser draws outside it, and the fallback's held port is given to none of the bind(0)s and
+    connects that exhaust the range."""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("unshare") is None:
+        pytest.skip("needs util-linux's unshare")
+    proc = subprocess.run(
+        ["unshare", "-rn", "sh", "-c", "ip link set lo up 2>/dev/null; echo '40000 40009' > "
+         f"/proc/sys/net/ipv4/ip_local_port_range && exec {sys.executable} -c \"$0\"",
+         NAMESPACE_PROBE], capture_output=True, text=True, timeout=60)
+    if proc.returncode != 0 and "Operation not permitted" in proc.stderr:
+        pytest.skip(f"no user namespaces here: {proc.stderr.strip()[-200:]}")
+    assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stdout + proc.stderr
