@@ -29,7 +29,10 @@ from ds3d.trainer.kinds import SKIPPED_UPDATE, EventKind, RecordKind
 from ds3d.trainer.report import KEPT_SEGMENTS, parse_segment_name, read_records
 
 from .jobdir import JobDir
+from .logging import get_logger
 from .store import Store
+
+log = get_logger("ds3d.reports")
 
 
 @dataclass
@@ -41,6 +44,13 @@ class Observation:
 
     def kinds(self, *kinds: RecordKind) -> list[dict[str, Any]]:
         return [r for r in self.records if r.get("kind") in kinds]
+
+
+# Fields the daemon's readers of records (here, detectors, incidents, oom, step analysis) take
+# as numbers: a record where one is of another type is passed over whole (ReportTail._usable)
+_INT_FIELDS = ("rank", "step", "restart", "world_size", "dp", "stage", "id", "pid",
+               "recovered_to")
+_NUMBER_FIELDS = ("time", "seconds", "process_started", "step_time_s", "blocked_s")
 
 
 def _num(v: Any) -> float | None:
@@ -222,7 +232,7 @@ class ReportTail:
             records, end = read_records(path, offsets.get(key, 0))
             if end != offsets.get(key, 0):
                 new_offsets[key] = end
-            obs.records.extend(records)
+            obs.records.extend(r for r in records if self._usable(r, key))
         if not new_offsets:
             obs.last_seen = dict(self.last_seen)
             return obs
@@ -237,25 +247,54 @@ class ReportTail:
             ev = record_to_event(rec)
             if ev is not None:
                 events.append(ev)
-            if rec.get("kind") == RecordKind.CHECKPOINT and isinstance(rec.get("step"), int) and \
-                    rec.get("phase", "saved") in INDEXED_PHASES:
-                step = rec["step"]
-                phase = str(rec.get("phase", "saved"))
-                ck_path = rec.get("path") or (self.ckpt_dir / f"global_step{step}"
-                                              if phase in ("saved", "committed", "failed") else "")
-                ckpts.append({"step": step, "phase": phase, "path": str(ck_path),
-                              "time": ev["time"] if ev else 0,
-                              "blocked_s": _num(rec.get("blocked_s")) or 0.0,
-                              "detail": ev["message"] if ev is not None and
-                              phase in PROBLEM_PHASES else ""})
-            elif rec.get("kind") == RecordKind.CHECKPOINT and rec.get("phase") == "retention":
-                ckpts += [{"step": s, "phase": "deleted", "time": ev["time"] if ev else 0,
-                           "detail": f"deleted by retention after step {rec.get('step')}"}
-                          for s in rec.get("deleted") or [] if isinstance(s, int)]
+            ckpts += self._checkpoint_rows(rec, ev)
         self.store.ingest(name, new_offsets, events, ckpts, **figures)
         self._drop_read_segments(files, {**offsets, **new_offsets})
         obs.last_seen = dict(self.last_seen)
         return obs
+
+    def _checkpoint_rows(self, rec: dict[str, Any], ev: dict[str, Any] | None,
+                         ) -> list[dict[str, Any]]:
+        """The checkpoint index rows a record makes (none for most kinds)."""
+        if rec.get("kind") == RecordKind.CHECKPOINT and isinstance(rec.get("step"), int) and \
+                rec.get("phase", "saved") in INDEXED_PHASES:
+            step = rec["step"]
+            phase = str(rec.get("phase", "saved"))
+            ck_path = rec.get("path") or (self.ckpt_dir / f"global_step{step}"
+                                          if phase in ("saved", "committed", "failed") else "")
+            return [{"step": step, "phase": phase, "path": str(ck_path),
+                     "time": ev["time"] if ev else 0,
+                     "blocked_s": _num(rec.get("blocked_s")) or 0.0,
+                     "detail": ev["message"] if ev is not None and
+                     phase in PROBLEM_PHASES else ""}]
+        if rec.get("kind") == RecordKind.CHECKPOINT and rec.get("phase") == "retention":
+            return [{"step": s, "phase": "deleted", "time": ev["time"] if ev else 0,
+                     "detail": f"deleted by retention after step {rec.get('step')}"}
+                    for s in rec.get("deleted") or [] if isinstance(s, int)]
+        return []
+
+    def _usable(self, rec: dict[str, Any], key: str) -> bool:
+        """A record that converts (event, figures, index rows). One that does not (a field of
+        the wrong type: a file edited or damaged by hand, or another program's) is logged and
+        passed over: raised, it would fail every tick of the job's supervisor forever, as the
+        offsets of its file are never committed."""
+        try:
+            for name in _INT_FIELDS:
+                if not isinstance(rec.get(name, 0), int) or isinstance(rec.get(name), bool):
+                    raise TypeError(f"{name} is not an integer")
+            for name in _NUMBER_FIELDS:
+                v = rec.get(name)
+                if v is not None and (not isinstance(v, int | float) or isinstance(v, bool)
+                                      or not math.isfinite(v)):
+                    raise TypeError(f"{name} is not a finite number")
+            self._checkpoint_rows(rec, record_to_event(rec))
+            self._figures([rec])
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+            log.warning("report record passed over: it does not convert", job=self.jobdir.name,
+                        file=key, error=f"{type(e).__name__}: {e}", record=json.dumps(
+                            rec, default=str)[:300])
+            return False
+        return True
 
     def _drop_read_segments(self, files: list[Path], offsets: dict[str, int]) -> None:
         """Deletes the segments stored to their end (`offsets`: committed) that have

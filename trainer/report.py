@@ -257,7 +257,9 @@ def read_records(path: str | Path, offset: int = 0) -> tuple[list[dict[str, Any]
     for line in data[:end].splitlines():
         if line.strip():
             try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
+                record = json.loads(line)
+            except ValueError:  # JSONDecodeError, or bytes that are no text at all
                 continue  # a torn line from a crashed writer; the next one is whole
+            if isinstance(record, dict):  # anything else is no record of ours
+                records.append(record)
     return records, offset + end

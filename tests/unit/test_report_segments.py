@@ -245,3 +245,24 @@ def test_a_heads_copies_of_another_nodes_segments_stay_bounded(tmp_path):
         store.close()
     finally:
         server.stop(0)
+
+
+@pytest.mark.parametrize("bad", [
+    b"[1]", b"5", b'"text"', b'{"kind": "step", "rank": 0, "step": "abc", "time": 1.0}',
+    b'{"kind": "start", "rank": "x", "restart": 0}', b'{"kind": "step", "rank": true}',
+    b'{"kind": "checkpoint", "phase": "retention", "step": 1, "deleted": 5}',
+    b'{"kind": "recovery", "rank": 0, "step": 3, "skipped_batches": "ab"}',
+    b'{"kind": "heartbeat", "rank": 0, "time": "now"}',
+])
+def test_a_record_that_does_not_convert_is_passed_over_not_a_wedged_job(tmp_path, bad):
+    """Was: one such line (a report file edited or damaged by hand) raised in every poll: the
+    file's offset was never committed, so every supervisor tick of the job failed forever and
+    nothing after the line was ever read."""
+    store, jd = _job(tmp_path)
+    f = jd.reports / "rank-00000.jsonl"
+    f.write_bytes(bad + b"\n" + b'{"kind": "step", "rank": 0, "step": 7, "loss": 1.5, '
+                  b'"time": 2.0, "restart": 0}\n')
+    obs = ReportTail(store, jd).poll()
+    assert _stored_steps(store) == [7] and store.get_job("j").step == 7
+    assert [r.get("step") for r in obs.records] == [7]  # the detectors see only usable ones
+    assert store.offsets("j")[jd.report_key(f)] == f.stat().st_size
