@@ -29,6 +29,7 @@ import argparse
 import json
 import math
 import os
+import stat
 import sys
 import time
 from collections.abc import Sequence
@@ -63,16 +64,42 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see `{self.prog} --help`)")
 
 
+def _address(value: str) -> str:
+    """--addr / DS3D_ADDR: HOST:PORT or unix:PATH (grpc takes port 99999 as 34463, and an
+    empty address as an internal error)."""
+    if value.startswith("unix:"):
+        if value[len("unix:"):].strip():
+            return value
+    else:
+        host, _, port = value.rpartition(":")
+        if host.strip() and port.isascii() and port.isdigit() and len(port) <= 5 and \
+                1 <= int(port) <= 65535:
+            return value
+    raise argparse.ArgumentTypeError(f"{value!r} is not HOST:PORT (port 1-65535) or unix:PATH")
+
+
+def _seconds(value: str) -> float:
+    """--timeout: a finite number of seconds above 0 (nan, inf or -1 became an instant
+    DEADLINE_EXCEEDED, as if the daemon were slow)."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds above 0")
+    return seconds
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="ds3dctl", description="control ds3d training jobs")
-    ap.add_argument("--addr", default=os.environ.get("DS3D_ADDR", DEFAULT_ADDR),
+    ap.add_argument("--addr", default=os.environ.get("DS3D_ADDR", DEFAULT_ADDR), type=_address,
                     help="daemon address HOST:PORT or unix:PATH (env DS3D_ADDR)")
     ap.add_argument("--token-file", default=os.environ.get("DS3D_TOKEN_FILE"),
                     help="file with the bearer token (or env DS3D_TOKEN)")
     ap.add_argument("--tls-ca", default=os.environ.get("DS3D_TLS_CA"))
     ap.add_argument("--tls-cert", default=os.environ.get("DS3D_TLS_CERT"))
     ap.add_argument("--tls-key", default=os.environ.get("DS3D_TLS_KEY"))
-    ap.add_argument("--timeout", type=float, default=30.0, help="seconds per request")
+    ap.add_argument("--timeout", type=_seconds, default=30.0, help="seconds per request")
     sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     for command in ("start", "check"):
@@ -211,12 +238,13 @@ class Client:
                 root_certificates=ca, private_key=key, certificate_chain=cert))
         else:
             self.channel = grpc.insecure_channel(self.addr)
-        token = os.environ.get("DS3D_TOKEN")
+        token, where = os.environ.get("DS3D_TOKEN"), "DS3D_TOKEN"
         if args.token_file:
-            try:
-                token = open(args.token_file).read().strip()
-            except OSError as e:
-                raise UsageError(f"--token-file: {e}") from None
+            token, where = _read_token(args.token_file), f"--token-file {args.token_file}"
+        if token and not (token.isascii() and token.isprintable() and " " not in token):
+            raise UsageError(f"the token of {where} has spaces, control characters or non-ASCII "
+                             "characters inside; give the daemon's token as it is in its "
+                             "--token-file")
         self.metadata = [("authorization", f"Bearer {token}")] if token else []
         self.stub = pb_grpc.ControlStub(self.channel)
 
@@ -225,6 +253,25 @@ class Client:
 
     def stream(self, method: str, request: Any) -> Any:
         return getattr(self.stub, method)(request, metadata=self.metadata)
+
+
+MAX_TOKEN_BYTES = 4096  # grpc refuses metadata above 8 KiB anyway
+
+
+def _read_token(path: str) -> str:
+    """The bearer token in a file: a regular file of at most MAX_TOKEN_BYTES (a FIFO would block,
+    /dev/zero fill memory), surrounding whitespace dropped."""
+    try:
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode):
+            raise UsageError(f"--token-file {path}: not a regular file")
+        if info.st_size > MAX_TOKEN_BYTES:
+            raise UsageError(f"--token-file {path}: {info.st_size} bytes; a token file holds "
+                             f"the token only (at most {MAX_TOKEN_BYTES} bytes)")
+        with open(path, encoding="utf-8") as fh:
+            return fh.read().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"--token-file: {e}") from None
 
 
 # ---- output ---------------------------------------------------------------------------------

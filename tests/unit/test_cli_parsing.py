@@ -78,3 +78,43 @@ def test_cli_imports_no_torch_or_deepspeed():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--timeout", "nan", "list"], "--timeout: 'nan' is not a number of seconds above 0"),
+    (["--timeout", "-1", "list"], "'-1' is not a number of seconds above 0"),
+    (["--timeout", "inf", "list"], "'inf' is not a number of seconds above 0"),
+    (["--addr", "127.0.0.1:99999", "list"], "'127.0.0.1:99999' is not HOST:PORT (port 1-65535)"),
+    (["--addr", "", "list"], "'' is not HOST:PORT"),
+    (["--addr", "unix:", "list"], "'unix:' is not HOST:PORT"),
+    (["--addr", "127.0.0.1:1", "--token-file", "/dev/zero", "list"], "not a regular file"),
+])
+def test_odd_connection_arguments_are_usage_errors(argv, needle, capsys):
+    """Was: --timeout nan/-1/inf an instant DEADLINE_EXCEEDED (exit 1, as if the daemon were
+    slow), port 99999 dialled as 34463, an empty address grpc's INTERNAL, and --token-file
+    /dev/zero a MemoryError traceback."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and needle in err and "Traceback" not in err, err
+
+
+def test_a_token_that_cannot_be_sent_is_a_usage_error(monkeypatch, tmp_path, capsys):
+    """Was: a newline inside DS3D_TOKEN was grpc's 'INTERNAL: Invalid metadata' (exit 1)."""
+    monkeypatch.setenv("DS3D_TOKEN", "abc\ndef")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--addr", "127.0.0.1:1", "list"])
+    assert e.value.code == 2 and "the token of DS3D_TOKEN has spaces, control" in \
+        capsys.readouterr().err
+    big = tmp_path / "token"
+    big.write_text("x" * 5000)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--addr", "127.0.0.1:1", "--token-file", str(big), "list"])
+    assert e.value.code == 2 and "5000 bytes; a token file holds the token only" in \
+        capsys.readouterr().err
+
+
+def test_addresses_and_timeouts_that_are_fine(monkeypatch):
+    for addr in ("127.0.0.1:7531", "[::1]:7531", "unix:/run/ds3d.sock", "node-2.example:1"):
+        assert parse("--addr", addr, "list").addr == addr
+    assert parse("--timeout", "0.5", "list").timeout == 0.5
