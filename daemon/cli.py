@@ -32,7 +32,7 @@ import os
 import stat
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, cast
 
 import grpc
@@ -76,6 +76,24 @@ def _address(value: str) -> str:
                 1 <= int(port) <= 65535:
             return value
     raise argparse.ArgumentTypeError(f"{value!r} is not HOST:PORT (port 1-65535) or unix:PATH")
+
+
+INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1  # the proto fields' ranges
+
+
+def _count(low: int, high: int) -> Callable[[str], int]:
+    """An integer argument the request carries in a proto int32/int64 field: out of range, the
+    stub raised ValueError (a traceback) before anything was sent."""
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {value!r}") from None
+        if not low <= n <= high:
+            raise argparse.ArgumentTypeError(f"{value!r} is not a whole number from {low} to "
+                                             f"{high}")
+        return n
+    return parse
 
 
 def _seconds(value: str) -> float:
@@ -127,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--follow", "-f", action="store_true")
     p.add_argument("--kind", action="append", default=[],
                    choices=[k.value for k in EventKind])
-    p.add_argument("--step-every", type=int, default=1, help="one step event per N steps")
+    p.add_argument("--step-every", type=_count(1, INT32_MAX), default=1,
+                   help="one step event per N steps")
     p.add_argument("--json", action="store_true",
                    help="one JSON object per event, with its full detail (stacks included)")
     p.add_argument("--detail", action="store_true",
@@ -135,13 +154,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("logs", help="tail of the agent and worker logs")
     p.add_argument("job")
     p.add_argument("--source", default="", help="agent or rank:N (local rank)")
-    p.add_argument("--lines", type=int, default=50)
+    p.add_argument("--lines", type=_count(1, INT32_MAX), default=50)
     p.add_argument("--tensorboard", action="store_true",
                    help="print where the job's TensorBoard event files are and how to view them")
     p = sub.add_parser("export", help="consolidated model weights (safetensors + config.json) "
                        "of a committed checkpoint, from any (TP, PP, DP) layout")
     p.add_argument("job")
-    p.add_argument("--step", type=int, help="default: the newest committed checkpoint")
+    p.add_argument("--step", type=_count(0, INT64_MAX),
+                   help="default: the newest committed checkpoint")
     p.add_argument("--out", required=True, help="output folder, or s3://bucket/prefix")
     p.add_argument("--store", help="the job's store prefix, when RUN_DIR/job.json cannot be "
                    "read from here")
@@ -159,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("save", help="save a checkpoint now").add_argument("job")
     p = sub.add_parser("rollback", help="restart from the checkpoint of STEP")
     p.add_argument("job")
-    p.add_argument("step", type=int)
+    p.add_argument("step", type=_count(0, INT64_MAX))
     p = sub.add_parser("rebalance", help="measured per-stage times and predicted bubble/step "
                        "time of the current and the best pipeline partition; applies the best "
                        "one (checkpoint, restart) unless --dry-run")
@@ -170,8 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "--enable-fault-injection)")
     p.add_argument("job")
     p.add_argument("kind", choices=[k.value for k in FaultKind])
-    p.add_argument("--rank", type=int, required=True, help="global rank")
-    p.add_argument("--at-step", type=int, default=0,
+    p.add_argument("--rank", type=_count(0, INT32_MAX), required=True, help="global rank")
+    p.add_argument("--at-step", type=_count(0, INT64_MAX), default=0,
                    help="step at which it happens (default: the next step)")
     return ap
 

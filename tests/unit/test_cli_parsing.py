@@ -118,3 +118,22 @@ def test_addresses_and_timeouts_that_are_fine(monkeypatch):
     for addr in ("127.0.0.1:7531", "[::1]:7531", "unix:/run/ds3d.sock", "node-2.example:1"):
         assert parse("--addr", addr, "list").addr == addr
     assert parse("--timeout", "0.5", "list").timeout == 0.5
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["logs", "j", "--lines", "3000000000"], "--lines: '3000000000' is not a whole number"),
+    (["logs", "j", "--lines", "-5"], "from 1 to 2147483647"),
+    (["events", "j", "--step-every", "3000000000"], "--step-every: '3000000000'"),
+    (["inject", "j", "nan", "--rank", "99999999999"], "--rank: '99999999999'"),
+    (["rollback", "j", "99999999999999999999"], "from 0 to 9223372036854775807"),
+    (["rollback", "j", "-1"], "step: '-1' is not a whole number"),
+    (["inject", "j", "nan", "--rank", "0", "--at-step", "99999999999999999999"], "--at-step"),
+    (["export", "j", "--step", "-1", "--out", "/tmp/x"], "--step: '-1'"),
+])
+def test_numbers_beyond_their_proto_field_are_usage_errors(argv, needle, capsys):
+    """Was: 'ValueError: Value out of range' tracebacks from the request's int32/int64 field,
+    before anything was sent."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--addr", "127.0.0.1:1", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and needle in err and "Traceback" not in err, err
