@@ -498,9 +498,14 @@ class JobConfig(_Section):
         against the schema only (`validate_job` checks the combinations); ConfigError names
         every problem."""
         try:
-            return cls.model_validate_json(text)
+            cfg = cls.model_validate_json(text)
         except ValidationError as e:
             raise ConfigError(explain(e, source)) from None
+        twice = _keys_given_twice(text)  # the JSON parser keeps the last: which was meant?
+        if twice:
+            raise ConfigError(f"invalid job configuration ({source}):\n  {twice} is given twice; "
+                              "give each setting once")
+        return cfg
 
     @classmethod
     def load_json(cls, path: str | Path) -> JobConfig:
@@ -508,6 +513,37 @@ class JobConfig(_Section):
             return cls.model_validate_json(Path(path).read_text())
         except ValidationError as e:
             raise ConfigError(explain(e, str(path))) from None
+
+
+def _keys_given_twice(text: str | bytes) -> str | None:
+    """The first key that appears twice in one object of a JSON text that parsed ("train.lr",
+    or "name" at the top level), or None."""
+    found: list[str] = []
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        keys = [key for key, _ in items]
+        found.extend(key for i, key in enumerate(keys) if key in keys[:i])
+        return dict(items)
+
+    try:
+        json.loads(text, object_pairs_hook=pairs)
+    except (ValueError, RecursionError):
+        return None  # the schema check refuses such text; nothing more to say here
+    if not found:
+        return None
+    where = _path_of_key(json.loads(text), found[0])
+    return where or found[0]
+
+
+def _path_of_key(data: Any, key: str, prefix: str = "") -> str | None:
+    """The dotted path of the first object holding `key` (for the message)."""
+    if isinstance(data, dict):
+        if key in data:
+            return f"{prefix}{key}"
+        for k, v in data.items():
+            if (found := _path_of_key(v, key, f"{prefix}{k}.")) is not None:
+                return found
+    return None
 
 
 # --------------------------------------------------------------------------------------------

@@ -416,3 +416,18 @@ def test_store_urls_ds3dd_opens_are_accepted():
     for url in ("file:///data/ckpt", "file://localhost/data/ckpt", "s3://bucket",
                 "s3://bucket/a/b"):
         assert build_job_config("tiny", [f'checkpoint.store="{url}"']).checkpoint.store == url
+
+
+@pytest.mark.parametrize("replace, phrase", [
+    (('"name": "dj"', '"name": "dj", "name": "other"'), "name is given twice"),
+    (('"lr": 0.003', '"lr": 0.003, "lr": 0.1'), "train.lr is given twice"),
+    (('"launch": {', '"train": {"steps": 7}, "launch": {'), "train is given twice"),
+])
+def test_a_request_that_gives_a_setting_twice_is_refused(replace, phrase):
+    """Was: the JSON parser kept the last (a job named 'other', or a second [train] section
+    replacing the first whole, every other train setting back at its default)."""
+    text = build_job_config("tiny", name="dj").dump_json()
+    assert replace[0] in text
+    with pytest.raises(ConfigError, match=re.escape(phrase)):
+        JobConfig.parse_json(text.replace(replace[0], replace[1], 1), "request")
+    assert JobConfig.parse_json(text, "request").name == "dj"
