@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ds3d.trainer.errors import AlreadyExistsError, NotFoundError
+from ds3d.trainer.errors import AlreadyExistsError, NotFoundError, StateError
 from ds3d.trainer.kinds import EventKind
 
 from .states import JobState, check_transition
@@ -248,19 +248,26 @@ class Store:
         self._unpruned: dict[str, int] = {}  # job -> PRUNED_KINDS events since its last pruning
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None,
-                                   timeout=30)
-        self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("PRAGMA foreign_keys=ON")
         self._lock = threading.RLock()
         self.changed = threading.Condition(self._lock)
-        self._db.executescript(SCHEMA)
-        for table, column, decl in _ADDED_COLUMNS:
-            have = {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}
-            if column not in have:
-                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
+        try:
+            self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None,
+                                       timeout=30)
+            self._db.row_factory = sqlite3.Row
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute("PRAGMA foreign_keys=ON")
+            self._db.executescript(SCHEMA)
+            for table, column, decl in _ADDED_COLUMNS:
+                have = {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}
+                if column not in have:
+                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
+        except sqlite3.DatabaseError as e:  # not a database, damaged, read-only, locked
+            raise StateError(
+                f"the state database {self.path} cannot be used ({e}); if another ds3dd uses "
+                "this --state-dir, stop it first; if the file is damaged or not ds3d's, move it "
+                "aside and start again (this daemon then knows no jobs: their folders stay in "
+                f"{self.path.parent / 'jobs'})") from None
 
     def close(self) -> None:
         with self._lock:

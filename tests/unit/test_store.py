@@ -170,3 +170,16 @@ def test_events_filter_and_order(store):
     assert {e.job for e in store.events(job="b")} == {"b"}
     assert [e.kind for e in store.events(job="a", kinds=["command"])] == ["command"]
     assert store.events(after_seq=evs[-1].seq) == []
+
+
+@pytest.mark.parametrize("content", [b"garbage, not sqlite\n" * 10,
+                                     b"SQLite format 3\x00" + b"\xff" * 200])
+def test_a_state_database_that_is_not_one_is_a_clear_refusal(tmp_path, content):
+    """Was: sqlite3.DatabaseError 'file is not a database' as a traceback from ds3dd's start."""
+    db = tmp_path / "ds3d.db"
+    db.write_bytes(content)
+    with pytest.raises(StateError) as err:
+        Store(db)
+    msg = str(err.value)
+    assert f"the state database {db} cannot be used" in msg and "move it aside" in msg, msg
+    assert db.read_bytes() == content  # left as it was
