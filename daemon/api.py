@@ -331,7 +331,7 @@ class ControlServicer(pb_grpc.ControlServicer):
                 f"StartShare from head node {request.head_node!r} reached a daemon of the same "
                 "node name: either launch.hosts lists the head twice, or two daemons share a "
                 "--node-name (give each daemon its own)")
-        cfg = parse_config(request.config_json)  # the same check as StartJob, before any process
+        cfg = parse_config(request.config_json, from_head=True)  # as StartJob, before any process
         check_share_request(request, cfg.name)  # before the job's running agent is replaced
         handle = self.shares.start(request)
         return pb.StartShareResponse(node=self.node, agent_pid=handle.ref.pid)

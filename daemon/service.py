@@ -71,9 +71,9 @@ class LogTail:
     size: int
 
 
-def parse_config(config_json: str) -> JobConfig:
+def parse_config(config_json: str, from_head: bool = False) -> JobConfig:
     """Request JSON -> validated JobConfig; every problem named with its field (ConfigError).
-    The one check of StartJob and StartShare, made before anything is created."""
+    The one check of StartJob and StartShare (`from_head`), made before anything is created."""
     cfg = JobConfig.parse_json(config_json, "request")
     validate_job(cfg)
     # a DeepSpeed JSON must already be translated into the job's fields (ds3dctl does it), and
@@ -81,7 +81,8 @@ def parse_config(config_json: str) -> JobConfig:
     from ds3d.trainer.ds_config import check_with_deepspeed
     from ds3d.trainer.ds_config_import import verify_job_matches
 
-    verify_job_matches(cfg)
+    if not from_head:  # the head read it; the JSON need not exist on the other nodes
+        verify_job_matches(cfg)
     check_with_deepspeed(cfg)
     validate_for_daemon(cfg)
     return cfg

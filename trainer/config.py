@@ -34,7 +34,7 @@ JOB_NAME_RE = re.compile(rf"\A{JOB_NAME_PATTERN}\Z")
 JOB_NAME_RULE = ("1-63 characters of a-z, 0-9, '.', '_' or '-', starting with a letter or digit "
                  "(it names a folder and a store prefix, so no '/', '..', spaces or newlines)")
 MAX_TEXT_CHARS = 4096  # any string setting (paths, URLs, hosts)
-# Why a job's paths are absolute: a relative one would name a different file for each reader
+# Why a ds3dd job's paths are absolute: a relative one would name a different file for each reader
 RELATIVE_PATH_WHY = ("ds3dctl reads it from your folder, ds3dd from its own and the workers from "
                      "the job's run directory, so a relative path names a different file for each")
 
@@ -808,13 +808,6 @@ def validate_job(cfg: JobConfig, world_size: int | None = None) -> None:
     problems += _memory_interval_problems(cfg.checkpoint)
     if cfg.checkpoint.store is not None and (why := _store_url_problem(cfg.checkpoint.store)):
         problems.append(f"checkpoint.store={cfg.checkpoint.store!r}: {why}")
-    for where, path in (("checkpoint.local_dir", cfg.checkpoint.local_dir),
-                        ("train.deepspeed_config", t.deepspeed_config)):
-        if path is not None and not Path(path).is_absolute():
-            problems.append(f"{where}={path!r}: use an absolute path ({RELATIVE_PATH_WHY})")
-    if t.deepspeed_config is not None and Path(t.deepspeed_config).is_absolute() and \
-            not is_readable_file(t.deepspeed_config):
-        problems.append(f"train.deepspeed_config={t.deepspeed_config!r} does not exist")
     for start, end in cfg.data.skip_batches:
         if not 0 <= start < end:
             problems.append(f"data.skip_batches range [{start}, {end}) is empty or negative")
@@ -830,10 +823,21 @@ def validate_job(cfg: JobConfig, world_size: int | None = None) -> None:
 
 
 def validate_for_daemon(cfg: JobConfig) -> None:
-    """What a job run by ds3dd needs beyond `validate_job`: launch.hosts names the daemons of
-    its nodes, one per node, and a multi-node job a store every node writes to. Checked by
-    `ds3dctl check`/`start` and by ds3dd on receipt; a worker under plain torchrun (its own
+    """What a job run by ds3dd needs beyond `validate_job`: absolute paths (ds3dctl, ds3dd and
+    the workers each have their own folder), launch.hosts naming the daemons of its nodes, one
+    per node, and for a multi-node job a store every node writes to. Checked by `ds3dctl
+    check`/`start` and by ds3dd on receipt, not at every worker start (a job accepted before
+    these rules stays runnable); a worker under plain torchrun (the user's folder, its own
     rendezvous, no daemons) does not need them."""
+    relative = [f"{where}={path!r}: use an absolute path ({RELATIVE_PATH_WHY})"
+                for where, path in (("data.source", cfg.data.source if
+                                     cfg.data.source.endswith(".bin") else None),
+                                    ("checkpoint.local_dir", cfg.checkpoint.local_dir),
+                                    ("train.deepspeed_config", cfg.train.deepspeed_config))
+                if path is not None and not Path(path).is_absolute()]
+    if relative:
+        raise ConfigError(f"job {cfg.name!r} cannot run under ds3dd as configured:\n  - "
+                          + "\n  - ".join(relative))
     launch = cfg.launch
     if (launch.nnodes > 1 or launch.hosts) and len(launch.hosts) != launch.nnodes:
         raise ConfigError(

@@ -36,7 +36,7 @@ from typing import Protocol
 
 import numpy as np
 
-from .config import RELATIVE_PATH_WHY, DataConfig, JobConfig
+from .config import DataConfig, JobConfig
 from .errors import ConfigError, Ds3dError
 
 # 1/golden ratio: i * PHI_INV mod 1 is the most evenly spread sequence in [0, 1)
@@ -183,8 +183,6 @@ def data_problems(cfg: JobConfig) -> list[str]:
     datasets are opened (headers, sizes, document index; not every token) and the tokenizer is
     loaded, so the files must be readable where the job is validated (as on every worker)."""
     d, problems = cfg.data, []
-    if d.source.endswith(".bin") and not Path(d.source).is_absolute():
-        problems.append(f"data.source={d.source!r}: use an absolute path ({RELATIVE_PATH_WHY})")
     if d.source != "indexed":
         if d.blend:
             problems.append(f"data.blend is read only with data.source=\"indexed\" (source is "

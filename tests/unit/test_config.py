@@ -324,34 +324,57 @@ def test_issue17_4_control_characters_in_paths_are_refused(field):
 @pytest.mark.parametrize("field, value", [
     ("data.source", "tokens.bin"), ("data.source", "./data/tokens.bin"),
     ("checkpoint.local_dir", "ckpt"), ("train.deepspeed_config", "ds.json")])
-def test_a_relative_path_in_a_job_is_refused(tmp_path, monkeypatch, field, value):
+def test_a_relative_path_in_a_ds3dd_job_is_refused(tmp_path, monkeypatch, field, value):
     """Was: accepted, and read from three places: ds3dctl's folder (validation, the DeepSpeed
     JSON's translation), ds3dd's (its store and data checks, the local tier it watches and
-    uploads from) and the run directory (the workers' cwd)."""
+    uploads from) and the run directory (the workers' cwd). Under plain torchrun (one folder
+    for all) it stays allowed, and a worker does not check it again."""
+    from ds3d.daemon.check import validated_job
+    from ds3d.daemon.service import parse_config
+
     monkeypatch.chdir(tmp_path)
     (tmp_path / "data").mkdir()
     for name in ("tokens.bin", "data/tokens.bin"):
         (tmp_path / name).write_bytes(bytes(4096))
     (tmp_path / "ds.json").write_text("{}")
-    data = json.loads(build_job_config("tiny").dump_json())
-    section, key = field.split(".")
-    data[section][key] = value
-    with pytest.raises(ConfigError) as err:  # as ds3dd reads a request
-        validate_job(JobConfig.parse_json(json.dumps(data), "request"))
-    msg = str(err.value)
-    assert f"{field}={value!r}: use an absolute path" in msg and "run directory" in msg, msg
-    with pytest.raises(ConfigError, match=f"{field}=.*use an absolute path"):  # ds3dctl
-        build_job_config("tiny", [f'{field}="{value}"'])
-    absolute = build_job_config("tiny", [f'{field}="{tmp_path / value}"'])
-    assert str(tmp_path) in json.dumps(absolute.model_dump(mode="json"))
+    torchrun = build_job_config("tiny", [f'{field}="{value}"'])
+    validate_job(torchrun, world_size=1)  # a worker's check: fine
+    for check in (lambda: validated_job("tiny", [f'{field}="{value}"']),  # ds3dctl
+                  lambda: parse_config(torchrun.dump_json())):  # ds3dd, a raw request
+        with pytest.raises(ConfigError) as err:
+            check()
+        assert f"{field}={value!r}: use an absolute path" in str(err.value), str(err.value)
+        assert "run directory" in str(err.value)
+    validated_job("tiny", [f'{field}="{tmp_path / value}"'])
+
+
+def test_a_deepspeed_json_removed_after_submission_does_not_stop_the_job(tmp_path):
+    """Was: every worker start checked that train.deepspeed_config still existed, so a job
+    whose JSON was moved or deleted after submission failed at its next restart (crash
+    recovery, resume), and a multi-node share was refused on a node without the file. Its
+    meaning is in the job's fields; the file is read where the job is built and submitted."""
+    from ds3d.daemon.service import parse_config
+
+    f = tmp_path / "ds.json"
+    f.write_text(json.dumps({"bf16": {"enabled": True}}))
+    submitted = build_job_config("tiny", [f'train.deepspeed_config="{f}"']).dump_json()
+    assert parse_config(submitted).train.precision == "bf16"
+    f.unlink()
+    stored = JobConfig.parse_json(submitted, "stored job")
+    validate_job(stored, world_size=1)  # a worker (re)start
+    assert parse_config(submitted, from_head=True).train.precision == "bf16"  # StartShare
+    with pytest.raises(ConfigError, match="train.deepspeed_config=.*cannot be read"):
+        parse_config(submitted)  # a new StartJob must be able to read it
 
 
 def test_issue17_4_an_unreadable_path_is_a_refusal_not_a_crash():
     """A name too long for the filesystem made Path.is_file raise (INTERNAL in ds3dd)."""
+    from ds3d.daemon.service import parse_config
+
     data = json.loads(build_job_config("tiny").dump_json())
     data["train"]["deepspeed_config"] = f"/{'a' * 300}.json"
-    with pytest.raises(ConfigError, match="does not exist"):
-        validate_job(JobConfig.parse_json(json.dumps(data), "request"))
+    with pytest.raises(ConfigError, match="cannot be read"):
+        parse_config(json.dumps(data))
 
 
 def test_issue17_4_unknown_preset_in_a_request_is_refused():
