@@ -8,7 +8,9 @@ Heavy: run serialised, `flock /tmp/ds3d-heavy.lock .venv/bin/pytest tests/integr
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import tempfile
 import time
 from collections import Counter
@@ -60,12 +62,24 @@ def logs(d: DaemonProc, name: str) -> str:
 def test_pause_resume_matches_uninterrupted_run(daemon):
     r = daemon.ctl("start", "tiny", "--name", "pr", *LAYOUT, "--steps", "20")
     assert r.returncode == 0, r.stderr
-    job = daemon.wait_for("pr", lambda j: j["state"] == "RUNNING" and j["step"] >= 2 or
-                          j["state"] in ("FAILED", "COMPLETED"), "step 2", timeout_s=300)
-    assert job["state"] == "RUNNING", logs(daemon, "pr")
-    run_dir = Path(job["run_dir"])
-
-    r = daemon.ctl("pause", "pr")
+    run_dir = daemon.state_dir / "jobs" / "pr"
+    # the 20 steps take ~3 s: a pause sent after the daemon's status said "step 2" came after
+    # the last step on a loaded machine (CI, 2026-12-05). So the workers are frozen (SIGSTOP)
+    # the moment rank 0's report says step 2, and thawed once the pause is in: the job cannot
+    # finish before its pause arrives.
+    deadline = time.monotonic() + 300
+    while not any(r["step"] >= 2 for r in records(run_dir, 0, "step")):
+        assert time.monotonic() < deadline, logs(daemon, "pr")
+        time.sleep(0.02)
+    frozen = worker_procs(run_dir)
+    assert len(frozen) == 4, frozen
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        r = daemon.ctl("pause", "pr")
+    finally:
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
     assert r.returncode == 0, r.stderr
     job = daemon.wait_state("pr", "PAUSED", "FAILED", "COMPLETED", timeout_s=180)
     assert job["state"] == "PAUSED", logs(daemon, "pr")
