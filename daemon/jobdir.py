@@ -97,10 +97,7 @@ class JobDir:
 
     def command(self) -> dict[str, Any] | None:
         """The command file as last written (None if none yet or unreadable)."""
-        try:
-            return dict(json.loads(self.command_file.read_text()))
-        except (FileNotFoundError, ValueError):
-            return None
+        return _control_record(self.command_file)
 
     def write_restore(self, step: int, request_id: int) -> None:
         atomic_write_text(self.control / "restore.json",
@@ -118,10 +115,7 @@ class JobDir:
         return text
 
     def inject(self) -> dict[str, Any] | None:
-        try:
-            return dict(json.loads(self.inject_file.read_text()))
-        except (FileNotFoundError, ValueError):
-            return None
+        return _control_record(self.inject_file)
 
     def write_control(self, file: str, text: str) -> None:
         """A control file as the head wrote it (`text` "" removes it)."""
@@ -144,3 +138,15 @@ class JobDir:
         return str(path.relative_to(self.reports))
 
 
+def _control_record(path: Path) -> dict[str, Any] | None:
+    """A control file as this daemon writes it ({"id": int, "time": number, ...}), or None when
+    it is missing or is not one (a file damaged or edited by hand: the next write replaces it;
+    taken as it was, its fields failed every supervisor tick of the job, or InjectFault)."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or type(record.get("id")) is not int:
+        return None
+    when = record.get("time", 0)
+    return record if isinstance(when, int | float) and not isinstance(when, bool) else None

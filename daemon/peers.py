@@ -348,7 +348,7 @@ class Shares:
         for name, (_attempt, spec) in self._newest_specs().items():
             try:
                 run_id = json.loads(spec.read_text())["run_id"]
-            except (OSError, ValueError, KeyError):
+            except (OSError, ValueError, KeyError, TypeError):  # damaged: the head re-sends
                 continue
             if isinstance(run_id, str) and run_id:
                 out[name] = run_id

@@ -208,3 +208,26 @@ def test_a_restarted_daemon_takes_back_share_agents_that_run_or_finished(tmp_pat
     restarted = Shares(root, Launcher())
     status = {s.job: (s.agent_alive, s.exit_code) for s in restarted.status()}
     assert status == {"live": (True, -1), "done": (False, 0)}
+
+
+@pytest.mark.parametrize("text", ["[1]", "5", '"x"', '{"id": "3", "action": "pause"}',
+                                  '{"action": "pause"}', '{"id": 3, "time": "now"}', "{"])
+def test_a_control_file_damaged_by_hand_reads_as_none(tmp_path, text):
+    """Was: dict([1]) / dict(5) raised TypeError (every supervisor tick of the job failed, and
+    InjectFault answered INTERNAL), and an id "3" failed int() comparisons later."""
+    jobdir = JobDir(tmp_path / "jobs", "cj")
+    jobdir.create("{}")
+    for path, read in ((jobdir.command_file, jobdir.command), (jobdir.inject_file, jobdir.inject)):
+        path.write_text(text)
+        assert read() is None
+    jobdir.command_file.write_text('{"id": 3, "action": "pause", "time": 1.5}')
+    assert jobdir.command() == {"id": 3, "action": "pause", "time": 1.5}
+
+
+@pytest.mark.parametrize("text", ["[]", "5", "null"])
+def test_a_damaged_agent_spec_of_a_share_does_not_stop_the_daemon(tmp_path, text):
+    """Was: json.loads(...)["run_id"] of a spec that is no object raised TypeError in Shares'
+    constructor, so ds3dd did not start at all."""
+    shares, jobdir = share(tmp_path)
+    (jobdir.control / "agent-2.json").write_text(text)
+    Shares(shares.root, launcher=None)  # type: ignore[arg-type]
