@@ -347,6 +347,35 @@ def worker_procs(run_dir: str | Path) -> list[int]:
     return sorted(p.pid for p in job_workers(run_dir))
 
 
+def wait_reported_step(run_dir: Path, step: int, timeout_s: float = 300.0) -> None:
+    """Until rank 0's report file says `step` was trained: read at the source, within ~20 ms
+    (the daemon's status follows its tail of the same file, seconds later on a loaded host,
+    which a short job outruns)."""
+    from ds3d.trainer.report import read_rank_records
+
+    deadline = time.monotonic() + timeout_s
+    while not any(r["kind"] == "step" and r["step"] >= step
+                  for r in read_rank_records(run_dir, 0)):
+        assert time.monotonic() < deadline, f"{run_dir}: no step {step} in {timeout_s} s"
+        time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def frozen_workers(run_dir: Path, count: int) -> Iterator[list[int]]:
+    """The job's `count` live workers stopped (SIGSTOP) inside the block, continued after:
+    whatever the test does meanwhile (a command, a daemon kill or drain) happens before the
+    job's next step, however loaded the machine."""
+    pids = worker_procs(run_dir)
+    assert len(pids) == count, (pids, count)
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield pids
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+
+
 @contextlib.contextmanager
 def loopback_nodes(root: Path, *args: str) -> Iterator[tuple[DaemonProc, DaemonProc]]:
     """Two daemons as two nodes of one host, sharing a token: A (the head) on 127.0.0.2, B on

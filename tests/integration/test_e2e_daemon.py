@@ -8,9 +8,7 @@ Heavy: run serialised, `flock /tmp/ds3d-heavy.lock .venv/bin/pytest tests/integr
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import tempfile
 import time
 from collections import Counter
@@ -20,7 +18,13 @@ import pytest
 
 from fixtures.s3 import free_port
 from support import losses, records
-from test_daemon_support import DaemonProc, kill_job_processes, worker_procs
+from test_daemon_support import (
+    DaemonProc,
+    frozen_workers,
+    kill_job_processes,
+    wait_reported_step,
+    worker_procs,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -64,22 +68,11 @@ def test_pause_resume_matches_uninterrupted_run(daemon):
     assert r.returncode == 0, r.stderr
     run_dir = daemon.state_dir / "jobs" / "pr"
     # the 20 steps take ~3 s: a pause sent after the daemon's status said "step 2" came after
-    # the last step on a loaded machine (CI, 2026-12-05). So the workers are frozen (SIGSTOP)
-    # the moment rank 0's report says step 2, and thawed once the pause is in: the job cannot
-    # finish before its pause arrives.
-    deadline = time.monotonic() + 300
-    while not any(r["step"] >= 2 for r in records(run_dir, 0, "step")):
-        assert time.monotonic() < deadline, logs(daemon, "pr")
-        time.sleep(0.02)
-    frozen = worker_procs(run_dir)
-    assert len(frozen) == 4, frozen
-    for pid in frozen:
-        os.kill(pid, signal.SIGSTOP)
-    try:
+    # the last step on a loaded machine (CI, 2026-12-05). So the workers are frozen the moment
+    # rank 0's report says step 2, and thawed once the pause is in.
+    wait_reported_step(run_dir, 2)
+    with frozen_workers(run_dir, 4):
         r = daemon.ctl("pause", "pr")
-    finally:
-        for pid in frozen:
-            os.kill(pid, signal.SIGCONT)
     assert r.returncode == 0, r.stderr
     job = daemon.wait_state("pr", "PAUSED", "FAILED", "COMPLETED", timeout_s=180)
     assert job["state"] == "PAUSED", logs(daemon, "pr")
@@ -151,8 +144,10 @@ def test_daemon_sigkill_mid_training_job_still_completes_with_full_history(daemo
     assert daemon.ctl("start", "tiny", "--name", name, *LAYOUT, "--steps", "30").returncode == 0
     daemon.wait_for(name, lambda j: j["state"] == "RUNNING" and j["step"] >= 3, "step 3",
                     timeout_s=300)
-    before = daemon.events(name)
-    daemon.kill()  # no cleanup of any kind
+    # frozen while the daemon is killed: the 30-step job cannot end before its daemon does
+    with frozen_workers(run_dir, 4):
+        before = daemon.events(name)
+        daemon.kill()  # no cleanup of any kind
     assert worker_procs(run_dir), "the workers must outlive the daemon"
     time.sleep(3)  # the workers go on training while no daemon watches
     daemon.start()
@@ -219,9 +214,9 @@ def test_sigterm_drains_then_next_daemon_resumes(tmp_path):
     try:
         d.start()
         assert d.ctl("start", "tiny", "--name", name, *LAYOUT, "--steps", "40").returncode == 0
-        d.wait_for(name, lambda j: j["state"] == "RUNNING" and j["step"] >= 3, "step 3",
-                   timeout_s=300)
-        d.proc.terminate()  # SIGTERM
+        wait_reported_step(run_dir, 3)
+        with frozen_workers(run_dir, 4):  # the 40-step job cannot end before the drain
+            d.proc.terminate()  # SIGTERM
         d.proc.wait(150)
         assert worker_procs(run_dir) == [], "workers stopped by the drain"
         paused_at = max(r["step"] for r in records(run_dir, 0, "done"))
