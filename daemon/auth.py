@@ -75,15 +75,42 @@ class TlsFiles:
             certificate_chain=self.cert.read_bytes())
 
 
+MAX_TOKEN_BYTES = 4096  # grpc refuses metadata above 8 KiB anyway
+_NEW_TOKEN = "e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`"
+
+
+def token_problem(token: str) -> str | None:
+    """Why `token` cannot be a bearer token (None if it can): gRPC metadata is printable
+    ASCII, and a space would split it."""
+    if not (token.isascii() and token.isprintable() and " " not in token):
+        return ("has spaces, control characters or non-ASCII characters inside; a token is "
+                f"printable ASCII ({_NEW_TOKEN})")
+    return None
+
+
 def read_token(path: str | Path, flag: str = "--token-file") -> str:
-    """The bearer token: the file's first line, at least 16 characters."""
+    """The bearer token: the file's first line, at least 16 characters of printable ASCII.
+    The file is a regular one of at most MAX_TOKEN_BYTES (a FIFO would block, /dev/zero fill
+    memory); the same rules for ds3dd and ds3dctl, so that a token one accepts the other can
+    send."""
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"{flag} {str(p)!r} does not exist")
-    token = p.read_text().strip().splitlines()[0].strip() if p.read_text().strip() else ""
+    try:
+        if not p.is_file():
+            raise ConfigError(f"{flag} {str(p)!r} does not exist or is not a regular file")
+        size = p.stat().st_size
+        if size > MAX_TOKEN_BYTES:
+            raise ConfigError(f"{flag} {str(p)!r}: {size} bytes; a token file holds the token "
+                              f"only (at most {MAX_TOKEN_BYTES} bytes)")
+        text = p.read_bytes().decode("utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{flag} {str(p)!r} cannot be read: {e}") from None
+    lines = text.strip().splitlines()
+    token = lines[0].strip() if lines else ""
+    if (why := token_problem(token)) is not None:
+        raise ConfigError(f"{flag} {str(p)!r}: the token {why}")
     if len(token) < 16:
         raise ConfigError(f"{flag} {str(p)!r}: the token must be at least 16 characters "
-                          "(e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)")
+                          f"({_NEW_TOKEN})")
     return token
 
 

@@ -29,7 +29,6 @@ import argparse
 import json
 import math
 import os
-import stat
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -42,6 +41,7 @@ from ds3d.trainer.kinds import EventKind, FaultKind
 from ds3d.v1 import control_pb2 as pb
 from ds3d.v1 import control_pb2_grpc as pb_grpc
 
+from .auth import read_token, token_problem
 from .check import check_sections, render, source_with_files, validated_job
 
 DEFAULT_ADDR = "127.0.0.1:7531"
@@ -258,13 +258,11 @@ class Client:
                 root_certificates=ca, private_key=key, certificate_chain=cert))
         else:
             self.channel = grpc.insecure_channel(self.addr)
-        token, where = os.environ.get("DS3D_TOKEN"), "DS3D_TOKEN"
+        token = os.environ.get("DS3D_TOKEN")
         if args.token_file:
-            token, where = _read_token(args.token_file), f"--token-file {args.token_file}"
-        if token and not (token.isascii() and token.isprintable() and " " not in token):
-            raise UsageError(f"the token of {where} has spaces, control characters or non-ASCII "
-                             "characters inside; give the daemon's token as it is in its "
-                             "--token-file")
+            token = read_token(args.token_file)  # ds3dd's own rules for its --token-file
+        elif token and (why := token_problem(token)) is not None:
+            raise UsageError(f"the token of DS3D_TOKEN {why}")
         self.metadata = [("authorization", f"Bearer {token}")] if token else []
         self.stub = pb_grpc.ControlStub(self.channel)
 
@@ -273,25 +271,6 @@ class Client:
 
     def stream(self, method: str, request: Any) -> Any:
         return getattr(self.stub, method)(request, metadata=self.metadata)
-
-
-MAX_TOKEN_BYTES = 4096  # grpc refuses metadata above 8 KiB anyway
-
-
-def _read_token(path: str) -> str:
-    """The bearer token in a file: a regular file of at most MAX_TOKEN_BYTES (a FIFO would block,
-    /dev/zero fill memory), surrounding whitespace dropped."""
-    try:
-        info = os.stat(path)
-        if not stat.S_ISREG(info.st_mode):
-            raise UsageError(f"--token-file {path}: not a regular file")
-        if info.st_size > MAX_TOKEN_BYTES:
-            raise UsageError(f"--token-file {path}: {info.st_size} bytes; a token file holds "
-                             f"the token only (at most {MAX_TOKEN_BYTES} bytes)")
-        with open(path, encoding="utf-8") as fh:
-            return fh.read().strip()
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"--token-file: {e}") from None
 
 
 # ---- output ---------------------------------------------------------------------------------

@@ -41,3 +41,26 @@ def test_token_file(tmp_path):
     assert read_token(good) == "0123456789abcdefXYZ"
     with pytest.raises(ConfigError, match="does not exist"):
         read_token(tmp_path / "none")
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("content, phrase", [
+    (b"\xff\xfe0123456789abcdefgh\n", "cannot be read"),
+    ("tokén-with-ünïcode-0123456789\n".encode(), "non-ASCII characters inside"),
+    (b"0123456789 abcdefghij\n", "has spaces"),
+    (b"x" * 5000, "5000 bytes; a token file holds the token only"),
+    ("FIFO", "not a regular file"),
+])
+def test_a_token_file_no_client_could_use_is_refused(tmp_path, content, phrase):
+    """Was: a file that is not UTF-8 a UnicodeDecodeError traceback from ds3dd's start, and a
+    token with non-ASCII characters accepted, though no gRPC client can send it (metadata is
+    ASCII): a daemon nobody could call."""
+    import os
+
+    path = tmp_path / "token"
+    if content == "FIFO":
+        os.mkfifo(path)
+    else:
+        path.write_bytes(content)
+    with pytest.raises(ConfigError, match=phrase):
+        read_token(path)
