@@ -813,9 +813,17 @@ def _goodput_run(args, name: str, window_s: float, faults: list[tuple[float, str
     shutil.rmtree(run_dir, ignore_errors=True)
     shutil.rmtree(Path(args.work) / "ckpt-run", ignore_errors=True)  # the disk holds ~3 states
     (run_dir / "control").mkdir(parents=True)
-    interval, memory = (3, 1) if args.quick else (GOODPUT_INTERVAL, GOODPUT_MEMORY_INTERVAL)
-    cfg = build_cfg(args, GOODPUT_SETS + [f"checkpoint.interval={interval}",
-                                          f"checkpoint.memory_interval={memory}"])
+    interval = 3 if args.quick else GOODPUT_INTERVAL
+    memory = args.goodput_memory_interval
+    sets = [f"checkpoint.interval={interval}"]
+    if memory == "auto":  # Young-Daly on the measured snapshot cost, the MTBF of the schedule
+        # (no daemon counts the failures here: the prior an operator sets for the cluster)
+        every = args.goodput_every / (QUICK_SCALE if args.quick else 1)
+        sets += ['checkpoint.memory_interval="auto"',
+                 f"checkpoint.auto_mtbf_prior_hours={every / 3600:.6f}"]
+    else:
+        sets.append(f"checkpoint.memory_interval={1 if args.quick else int(memory)}")
+    cfg = build_cfg(args, GOODPUT_SETS + sets)
     (run_dir / "job.json").write_text(cfg.dump_json())
     env = dict(os.environ, DS_ACCELERATOR=args.device if args.device == "cuda" else "cpu",
                TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", NCCL_NVLS_ENABLE="0",
@@ -922,7 +930,8 @@ def sec_goodput(args) -> dict:
     faults = [(every / 2 + i * every, kind) for i, kind in enumerate(GOODPUT_KINDS)]
     faulty = _goodput_run(args, "goodput-faults", window, [f for f in faults if f[0] < window])
     out = {"fault_free": ref, "faulty": faulty, "sets": GOODPUT_SETS,
-           "fault_every_s": args.goodput_every}
+           "fault_every_s": args.goodput_every,
+           "memory_interval": args.goodput_memory_interval}
     if "goodput_steps_per_s" in ref and "goodput_steps_per_s" in faulty:
         out.update(goodput_against_fault_free(ref, faulty))
     return out
@@ -1282,6 +1291,11 @@ def main() -> None:
                     help="... and in its fault-free run")
     ap.add_argument("--goodput-every", type=float, default=GOODPUT_EVERY_S,
                     help="seconds between the faults (NaN, crash, spike), the first at half")
+    ap.add_argument("--goodput-memory-interval", default=str(GOODPUT_MEMORY_INTERVAL),
+                    type=lambda v: v if v == "auto" or v.isdigit() else
+                    ap.error(f"--goodput-memory-interval: steps or auto, not {v!r}"),
+                    help='the goodput runs\' checkpoint.memory_interval: steps, or "auto" '
+                    "(Young-Daly, with an MTBF prior of --goodput-every)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--section-timeout", type=float, default=420.0,
                     help="seconds after which a section is killed (default 420)")
@@ -1316,7 +1330,8 @@ def main() -> None:
                args.device, "--steps", str(args.steps), "--warmup", str(args.warmup),
                "--work", work, "--goodput-window", str(args.goodput_window),
                "--goodput-reference", str(args.goodput_reference),
-               "--goodput-every", str(args.goodput_every)] + \
+               "--goodput-every", str(args.goodput_every),
+               "--goodput-memory-interval", args.goodput_memory_interval] + \
             (["--quick"] if args.quick else []) + \
             (["--profile-dir", args.profile_dir] if args.profile_dir else [])
         if peak.get("bf16_matmul_tflops"):
