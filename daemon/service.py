@@ -42,6 +42,9 @@ from .store import CheckpointRow, Event, Job, Store
 from .supervisor import Supervisors
 
 LOG_TAIL_MAX_BYTES = 256 * 1024
+# one GetLogs answer: below grpc's default 4 MiB a client receives (a job of many ranks and
+# restarts has hundreds of log files; the whole answer used to fail with RESOURCE_EXHAUSTED)
+LOGS_ANSWER_MAX_BYTES = 3 << 20
 
 
 @dataclass(frozen=True)
@@ -373,20 +376,30 @@ class JobService:
             files = [p for p in files if p.name == "agent.log"]
         elif source.startswith("rank:"):
             r = source.split(":", 1)[1]
-            if not r.isdigit():
+            if not (r.isascii() and r.isdigit()):
                 raise ConfigError(f"logs source {source!r}: use agent, rank:N or nothing")
             files = [p for p in files if p.parent.name == r]
         elif source:
             raise ConfigError(f"logs source {source!r}: use agent, rank:N or nothing")
         n = tail_lines if tail_lines > 0 else 200
-        out = []
-        for p in files:
+        tails: dict[Path, LogTail] = {}
+        room = LOGS_ANSWER_MAX_BYTES
+        # newest first: past the answer's budget, the oldest files are listed without text
+        for p in sorted(files, key=lambda f: f.stat().st_mtime, reverse=True):
             size = p.stat().st_size
-            with open(p, "rb") as fh:
-                fh.seek(max(0, size - LOG_TAIL_MAX_BYTES))
-                lines = fh.read().decode("utf-8", "replace").splitlines()[-n:]
-            out.append(LogTail(str(p.relative_to(root)), "\n".join(lines), size))
-        return out
+            if room > 0:
+                take = min(LOG_TAIL_MAX_BYTES, room)
+                with open(p, "rb") as fh:
+                    fh.seek(max(0, size - take))
+                    text = "\n".join(fh.read().decode("utf-8", "replace").splitlines()[-n:])
+                # the file that spends the last of the budget ends it
+                room = 0 if take == room and size > take else room - len(text.encode())
+            else:
+                text = (f"[ds3d: not sent; this answer is capped at {LOGS_ANSWER_MAX_BYTES} bytes "
+                        "and newer files came first: ask for fewer lines or one source]"
+                        if size else "")
+            tails[p] = LogTail(str(p.relative_to(root)), text, size)
+        return [tails[p] for p in files]
 
     # ---- internals ---------------------------------------------------------------------------
 
