@@ -30,7 +30,7 @@ from ds3d.daemon import stacks  # noqa: E402
 from ds3d.daemon.procs import WorkerTitle  # noqa: E402
 from ds3d.trainer.config import build_job_config  # noqa: E402
 
-from test_daemon_support import DaemonProc, pb  # noqa: E402
+from test_daemon_support import DaemonProc, pb, wait_reported_step  # noqa: E402
 
 pytestmark = [pytest.mark.slow]
 
@@ -46,15 +46,19 @@ def test_a_stopped_rank_is_the_first_suspect_and_detection_is_timed_to_the_decis
         channel, stub = d.stub()
         with channel:
             stub.StartJob(pb.StartJobRequest(config_json=cfg.dump_json()), timeout=60)
-        job = d.wait_for("frozen", lambda j: j["step"] >= 3 or j["state"] in ("FAILED",
-                                                                               "COMPLETED"),
-                         "step 3", timeout_s=400)
-        assert job["state"] == "RUNNING", job
-        workers = stacks.local_workers(Path(job["run_dir"]))
+        # rank 1 is stopped the moment rank 0 reports step 3 (read at the source): the 40-step
+        # job takes ~2 s, which the daemon's status lags by more on a loaded machine
+        run_dir = d.state_dir / "jobs" / "frozen"
+        wait_reported_step(run_dir, 3, timeout_s=400)
+        workers = stacks.local_workers(run_dir)
         pid = workers[1][0]
         os.kill(pid, signal.SIGSTOP)
         stopped_at = time.time()
         try:
+            job = d.wait_for("frozen", lambda j: j["step"] >= 3 or j["state"] in ("FAILED",
+                                                                                   "COMPLETED"),
+                             "step 3", timeout_s=120)
+            assert job["state"] == "RUNNING", job
             d.wait_for("frozen", lambda j: j["restarts"] >= 1 or j["state"] != "RUNNING",
                        "the hang fault", timeout_s=HANG_TIMEOUT_S + 120)
         finally:

@@ -142,10 +142,13 @@ def test_daemon_sigkill_mid_training_job_still_completes_with_full_history(daemo
     name = "survive"
     run_dir = daemon.state_dir / "jobs" / name
     assert daemon.ctl("start", "tiny", "--name", name, *LAYOUT, "--steps", "30").returncode == 0
-    daemon.wait_for(name, lambda j: j["state"] == "RUNNING" and j["step"] >= 3, "step 3",
-                    timeout_s=300)
-    # frozen while the daemon is killed: the 30-step job cannot end before its daemon does
+    # frozen the moment rank 0 reports step 3, while the daemon's status catches up and the
+    # daemon is killed: the 30-step job cannot end before its daemon does (a status-timed
+    # freeze came after the last step on a loaded machine)
+    wait_reported_step(run_dir, 3)
     with frozen_workers(run_dir, 4):
+        daemon.wait_for(name, lambda j: j["state"] == "RUNNING" and j["step"] >= 3, "step 3",
+                        timeout_s=300)
         before = daemon.events(name)
         daemon.kill()  # no cleanup of any kind
     assert worker_procs(run_dir), "the workers must outlive the daemon"

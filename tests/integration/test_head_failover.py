@@ -23,7 +23,13 @@ import pytest
 from ds3d.daemon.job_leadership import JobRecord
 
 from support import losses, torchrun
-from test_daemon_support import DaemonProc, kill_job_processes, new_token, wait_for_commit
+from test_daemon_support import (
+    DaemonProc,
+    frozen_workers,
+    kill_job_processes,
+    new_token,
+    wait_for_commit,
+)
 
 pytest_plugins = ["fixtures.etcd"]
 pytestmark = [pytest.mark.slow, pytest.mark.etcd, pytest.mark.timeout(900)]
@@ -244,8 +250,14 @@ def test_frozen_head_loses_the_lease_then_follows_and_never_writes_again(cluster
         key = _job_key(client, "fo")
         assert client.read(f"{key}/leader").value == a.addr
 
-        os.kill(a.proc.pid, signal.SIGSTOP)  # the daemon alone: its agent and workers run on
-        leader = new_leader(client, key, [b, c])
+        # the workers are frozen while the lease expires (6 s) and a survivor takes it: the job's
+        # last 50 steps must not end under the frozen head on a fast host; thawed once a new
+        # leader holds the job, they train on while the old head is still frozen
+        with frozen_workers(a.state_dir / "jobs" / "fo", 1), \
+                frozen_workers(b.state_dir / "shares" / "fo", 1), \
+                frozen_workers(c.state_dir / "shares" / "fo", 1):
+            os.kill(a.proc.pid, signal.SIGSTOP)  # the daemon alone: its agent runs on
+            leader = new_leader(client, key, [b, c])
         time.sleep(3)  # the new leader is at work while the old one is still frozen
         os.kill(a.proc.pid, signal.SIGCONT)
 

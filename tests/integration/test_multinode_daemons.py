@@ -21,11 +21,13 @@ import pytest
 from support import losses, records, torchrun
 from test_daemon_support import (
     DaemonProc,
+    frozen_workers,
     kill_job_processes,
     loopback_nodes,
     new_token,
     pb,
     wait_for_commit,
+    wait_reported_step,
     worker_procs,
 )
 
@@ -51,25 +53,32 @@ def test_two_daemons_run_one_job(nodes, tmp_path):
               "--hosts", f"{a.addr},{b.addr}", "--store", f"file://{store}")
     assert r.returncode == 0, r.stderr
 
-    running = a.wait_for("mn", lambda j: j["step"] >= 3 or j["state"] in ("FAILED", "COMPLETED"),
-                         "step 3", timeout_s=300)
-    assert running["state"] == "RUNNING", a.ctl("logs", "mn").stdout[-5000:]
-    seen_from_b = b.job("mn")  # forwarded to the head
-    assert seen_from_b["node"] == "node-a" and seen_from_b["layout"]["nnodes"] == 2
-    assert seen_from_b["world_size"] == 2 and seen_from_b["step"] >= 3
-    assert "mn" in b.ctl("status").stdout
+    # both workers are frozen the moment rank 0 (on B) reports step 3, until the pause is in:
+    # what the test asks of the job (status on both nodes, an injection, the pause) reaches it
+    # before its next step, however far the daemons' status lags on a loaded machine
+    share_dir = b.state_dir / "shares" / "mn"
+    wait_reported_step(share_dir, 3)
+    with frozen_workers(a.state_dir / "jobs" / "mn", 1), frozen_workers(share_dir, 1):
+        running = a.wait_for("mn", lambda j: j["step"] >= 3 or j["state"] in ("FAILED",
+                                                                               "COMPLETED"),
+                             "step 3", timeout_s=300)
+        assert running["state"] == "RUNNING", a.ctl("logs", "mn").stdout[-5000:]
+        seen_from_b = b.job("mn")  # forwarded to the head
+        assert seen_from_b["node"] == "node-a" and seen_from_b["layout"]["nnodes"] == 2
+        assert seen_from_b["world_size"] == 2 and seen_from_b["step"] >= 3
+        assert "mn" in b.ctl("status").stdout
 
-    # an injection (asked on B, passed on to the head) is copied to every node: the rank it
-    # names may run on either (this one is scheduled after the last step: it never fires)
-    r = b.ctl("inject", "mn", "slow", "--rank", "1", "--at-step", "1000000")
-    assert r.returncode == 0, r.stderr
-    share_inject = b.state_dir / "shares" / "mn" / "control" / "inject.json"
-    head_inject = Path(running["run_dir"]) / "control" / "inject.json"
-    assert json.loads(share_inject.read_text()) == json.loads(head_inject.read_text())
-    assert json.loads(share_inject.read_text())["rank"] == 1
+        # an injection (asked on B, passed on to the head) is copied to every node: the rank it
+        # names may run on either (this one is scheduled after the last step: it never fires)
+        r = b.ctl("inject", "mn", "slow", "--rank", "1", "--at-step", "1000000")
+        assert r.returncode == 0, r.stderr
+        share_inject = b.state_dir / "shares" / "mn" / "control" / "inject.json"
+        head_inject = Path(running["run_dir"]) / "control" / "inject.json"
+        assert json.loads(share_inject.read_text()) == json.loads(head_inject.read_text())
+        assert json.loads(share_inject.read_text())["rank"] == 1
 
-    r = b.ctl("pause", "mn")  # asked on the other node: passed on to the head
-    assert r.returncode == 0, r.stderr
+        r = b.ctl("pause", "mn")  # asked on the other node: passed on to the head
+        assert r.returncode == 0, r.stderr
     paused = b.wait_state("mn", "PAUSED", "FAILED", "COMPLETED", timeout_s=180)
     assert paused["state"] == "PAUSED", a.ctl("logs", "mn").stdout[-5000:]
     assert paused["last_checkpoint_step"] == paused["step"] < 300
