@@ -73,9 +73,15 @@ def test_inject_writes_control_file(tmp_path):
         assert not list(inject_file.parent.glob(".*.tmp"))  # tmp + rename left nothing behind
 
         assert "rank=2" in one_line(d.ctl("inject", "fi", "hang", "--rank", "2"))
-        assert "at_step=-3" in one_line(d.ctl("inject", "fi", "nan", "--rank", "0",
-                                              "--at-step", "-3"))
+        # ds3dctl refuses a negative step before sending; ds3dd refuses it from any client
+        assert "--at-step: '-3'" in one_line(d.ctl("inject", "fi", "nan", "--rank", "0",
+                                                   "--at-step", "-3"))
         channel, stub = d.stub()
+        with pytest.raises(grpc.RpcError) as e:
+            stub.InjectFault(pb.InjectFaultRequest(name="fi", kind="nan", rank=0, at_step=-3),
+                             timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "at_step=-3" in e.value.details()
         with pytest.raises(grpc.RpcError) as e:
             stub.InjectFault(pb.InjectFaultRequest(name="fi", kind="melt", rank=0), timeout=10)
         channel.close()
