@@ -60,6 +60,10 @@ def node_resources(reported_gpu_bytes: int | None = None,
 
 def check_fit(cfg: JobConfig, node: NodeResources) -> None:
     """Raises ConfigError with the breakdown and a layout that fits when the job does not."""
+    if cfg.launch.device == "cuda" and node.gpus == 0:  # the workers would crash at start
+        raise ConfigError(f"job {cfg.name!r} asks for launch.device=\"cuda\" but this node has no "
+                          f"GPU ({node.source}); use launch.device=\"cpu\", or \"auto\" (GPUs "
+                          "where a node has them), or start it from a node with GPUs")
     ranks_per_node = cfg.launch.nproc_per_node or max(1, cfg.parallel.world_size //
                                                       cfg.launch.nnodes)
     est = estimate(cfg)

@@ -89,3 +89,19 @@ def test_the_module_does_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "False"
+
+
+def test_a_cuda_job_on_a_node_without_gpus_is_refused_before_launch():
+    """Was: accepted (the GPU checks ran only where a GPU size was known), so the workers
+    crashed at CUDA init until the restart budget was spent and the job ended FAILED."""
+    from ds3d.daemon.fit_check import check_fit
+    from ds3d.trainer.errors import ConfigError
+    from ds3d.trainer.memory_model import NodeResources
+
+    cpu_node = NodeResources(0, None, 64 << 30, "no GPU")
+    with pytest.raises(ConfigError, match='launch.device="cuda" but this node has no GPU'):
+        check_fit(build_job_config("tiny", ['launch.device="cuda"']), cpu_node)
+    for device in ("cpu", "auto"):
+        check_fit(build_job_config("tiny", [f'launch.device="{device}"']), cpu_node)
+    check_fit(build_job_config("tiny", ['launch.device="cuda"']),
+              NodeResources(1, 80 << 30, 64 << 30, "measured"))
