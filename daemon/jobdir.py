@@ -118,10 +118,21 @@ class JobDir:
         return _control_record(self.inject_file)
 
     def write_control(self, file: str, text: str) -> None:
-        """A control file as the head wrote it (`text` "" removes it)."""
+        """A control file as the head wrote it (`text` "" removes it). Its shape is checked
+        first: the workers act on these files at a step boundary, and one that is no JSON
+        object (or has no integer id) would fail every step of every rank on this node."""
         if file not in CONTROL_FILES:
             raise ConfigError(f"control file {file!r} is not one of {', '.join(CONTROL_FILES)}")
         if text:
+            try:
+                record = json.loads(text)
+            except ValueError:
+                record = None
+            if not isinstance(record, dict) or (file != "failures.json" and
+                                                type(record.get("id")) is not int):
+                raise ConfigError(f"control file {file}: {text[:80]!r} is not a JSON object "
+                                  f"{'' if file == 'failures.json' else 'with an integer id '}"
+                                  "as the head daemon writes it; nothing was written")
             atomic_write_text(self.control / file, text)
         else:
             (self.control / file).unlink(missing_ok=True)

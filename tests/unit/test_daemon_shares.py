@@ -231,3 +231,19 @@ def test_a_damaged_agent_spec_of_a_share_does_not_stop_the_daemon(tmp_path, text
     shares, jobdir = share(tmp_path)
     (jobdir.control / "agent-2.json").write_text(text)
     Shares(shares.root, launcher=None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("file, text", [("command.json", "[1]"), ("command.json", "5"),
+                                        ("command.json", '{"action": "pause"}'),
+                                        ("inject.json", '{"id": "1"}'), ("restore.json", "{"),
+                                        ("failures.json", "[]")])
+def test_a_control_file_of_the_wrong_shape_from_a_peer_is_refused(tmp_path, file, text):
+    """Was: written as sent; rank 0's CommandInbox (trainer/loop.py) then failed at every step
+    on a command.json that is no JSON object (cmd.get on a list)."""
+    shares, jobdir = share(tmp_path)
+    shares.enable_fault_injection = True  # inject.json is refused without it, whatever its shape
+    with pytest.raises(ConfigError, match=f"control file {file}: .* nothing was written"):
+        shares.control("mn", file, text)
+    assert not (jobdir.control / file).exists()
+    good = '{"failures": 2, "observed_s": 60.0}' if file == "failures.json" else '{"id": 4}'
+    assert shares.control("mn", file, good) and (jobdir.control / file).read_text() == good
