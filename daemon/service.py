@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ds3d.checkpoints.identity import new_job_id, write_local_job_id
-from ds3d.trainer.config import JobConfig, validate_for_daemon, validate_job
+from ds3d.trainer.config import JobConfig, validate_for_daemon, validate_job, validate_tokenizer
 from ds3d.trainer.errors import ConfigError, NotFoundError, StateError
 from ds3d.trainer.kinds import EventKind, FaultKind
 from ds3d.trainer.memory_model import NodeResources
@@ -84,8 +84,9 @@ def parse_config(config_json: str, from_head: bool = False) -> JobConfig:
     from ds3d.trainer.ds_config import check_with_deepspeed
     from ds3d.trainer.ds_config_import import verify_job_matches
 
-    if not from_head:  # the head read it; the JSON need not exist on the other nodes
+    if not from_head:  # the head read them; they need not exist on the other nodes
         verify_job_matches(cfg)
+        validate_tokenizer(cfg)
     check_with_deepspeed(cfg)
     validate_for_daemon(cfg)
     return cfg

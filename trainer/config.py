@@ -709,6 +709,7 @@ def build_job_config(source: str, overrides: list[str] | None = None,
         from .ds_config_import import check_translated
         check_translated(cfg, translation)
     validate_job(cfg)
+    validate_tokenizer(cfg)
     return cfg
 
 
@@ -817,6 +818,19 @@ def validate_job(cfg: JobConfig, world_size: int | None = None) -> None:
                         "\"indexed\" (Megatron "
                         "datasets listed in data.blend) or the path of a flat token file ending "
                         "in .bin (see docs/data.md)")
+    if problems:
+        raise ConfigError(f"job {cfg.name!r} cannot run as configured:\n  - "
+                          + "\n  - ".join(problems))
+
+
+def validate_tokenizer(cfg: JobConfig) -> None:
+    """data.tokenizer, loaded to check that its vocabulary fits model.vocab_size, where the job
+    is built (ds3dctl, a plain torchrun worker) and when ds3dd accepts it; not at a worker's
+    (re)start under ds3dd (`validate_job`): no worker reads it (`ds3dctl export` does), so a
+    tokenizer moved after submission, or absent on the job's other nodes, must not stop it."""
+    from .data import tokenizer_problems
+
+    problems = tokenizer_problems(cfg)
     if problems:
         raise ConfigError(f"job {cfg.name!r} cannot run as configured:\n  - "
                           + "\n  - ".join(problems))

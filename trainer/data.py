@@ -180,8 +180,9 @@ class BatchPlan:
 
 def data_problems(cfg: JobConfig) -> list[str]:
     """What is wrong with the job's [data] section, each with what to do (validate_job). Indexed
-    datasets are opened (headers, sizes, document index; not every token) and the tokenizer is
-    loaded, so the files must be readable where the job is validated (as on every worker)."""
+    datasets are opened (headers, sizes, document index; not every token), so the files must be
+    readable where the job is validated (as on every worker). The tokenizer, which no worker
+    reads, is checked apart (tokenizer_problems: where the job is built and submitted)."""
     d, problems = cfg.data, []
     if d.source != "indexed":
         if d.blend:
@@ -216,9 +217,14 @@ def data_problems(cfg: JobConfig) -> list[str]:
                 if ds.num_tokens < cfg.model.seq_len + 1:
                     problems.append(f"{where}: {ds.num_tokens} tokens, fewer than one sample "
                                     f"(model.seq_len + 1 = {cfg.model.seq_len + 1})")
-    if d.tokenizer is not None:
-        problems += _tokenizer_problems(d.tokenizer, cfg.model.vocab_size)
     return problems
+
+
+def tokenizer_problems(cfg: JobConfig) -> list[str]:
+    """What is wrong with data.tokenizer (loaded: its vocabulary must fit model.vocab_size)."""
+    if cfg.data.tokenizer is None:
+        return []
+    return _tokenizer_problems(cfg.data.tokenizer, cfg.model.vocab_size)
 
 
 def _tokenizer_problems(spec: str, vocab_size: int) -> list[str]:

@@ -232,3 +232,25 @@ def test_tokenizer_setting_must_fit_the_model(tmp_path, bpe):
                                     f'data.blend=[{{prefix = "{prefix}"}}]',
                                     f'data.tokenizer="{bpe / "tokenizer.json"}"'])
     assert cfg.data.tokenizer.endswith("tokenizer.json")
+
+
+def test_a_tokenizer_moved_after_submission_does_not_stop_the_job(tmp_path, bpe):
+    """Was: every worker start under ds3dd loaded data.tokenizer (validate_job), though no
+    worker reads it: a tokenizer moved after submission failed the job at its next restart,
+    and a node without it refused its share. It is checked where the job is built and when
+    ds3dd accepts it."""
+    import shutil
+
+    from ds3d.daemon.service import parse_config
+    from ds3d.trainer.config import JobConfig, validate_job
+
+    tok = tmp_path / "tok" / "tokenizer.json"
+    tok.parent.mkdir()
+    shutil.copy(bpe / "tokenizer.json", tok)
+    submitted = build_job_config("tiny", ["model.vocab_size=512", f'data.tokenizer="{tok}"'])
+    parse_config(submitted.dump_json())
+    tok.unlink()
+    validate_job(JobConfig.parse_json(submitted.dump_json(), "stored job"), world_size=1)
+    parse_config(submitted.dump_json(), from_head=True)  # StartShare on another node
+    with pytest.raises(ConfigError, match="data.tokenizer="):
+        parse_config(submitted.dump_json())  # a new submission must load it
