@@ -807,8 +807,9 @@ def validate_job(cfg: JobConfig, world_size: int | None = None) -> None:
             f"the job has {world_size} processes but tp x pp x dp = {p.tp} x {p.pp} x {p.dp} = "
             f"{p.world_size}; the world size must be the product of the three degrees")
     problems += _memory_interval_problems(cfg.checkpoint)
-    if cfg.checkpoint.store is not None and (why := _store_url_problem(cfg.checkpoint.store)):
-        problems.append(f"checkpoint.store={cfg.checkpoint.store!r}: {why}")
+    if cfg.checkpoint.store is not None and not re.match(r"^(file|s3)://", cfg.checkpoint.store):
+        problems.append(f"checkpoint.store={cfg.checkpoint.store!r}: use file:///absolute/path "
+                        "or s3://bucket/prefix")
     for start, end in cfg.data.skip_batches:
         if not 0 <= start < end:
             problems.append(f"data.skip_batches range [{start}, {end}) is empty or negative")
@@ -838,20 +839,24 @@ def validate_tokenizer(cfg: JobConfig) -> None:
 
 def validate_for_daemon(cfg: JobConfig) -> None:
     """What a job run by ds3dd needs beyond `validate_job`: absolute paths (ds3dctl, ds3dd and
-    the workers each have their own folder), launch.hosts naming the daemons of its nodes, one
+    the workers each have their own folder), a store URL of a form storage opens (what ds3dd's
+    store check would refuse at start), launch.hosts naming the daemons of its nodes, one
     per node, and for a multi-node job a store every node writes to. Checked by `ds3dctl
     check`/`start` and by ds3dd on receipt, not at every worker start (a job accepted before
     these rules stays runnable); a worker under plain torchrun (the user's folder, its own
     rendezvous, no daemons) does not need them."""
-    relative = [f"{where}={path!r}: use an absolute path ({RELATIVE_PATH_WHY})"
+    problems = [f"{where}={path!r}: use an absolute path ({RELATIVE_PATH_WHY})"
                 for where, path in (("data.source", cfg.data.source if
                                      cfg.data.source.endswith(".bin") else None),
                                     ("checkpoint.local_dir", cfg.checkpoint.local_dir),
                                     ("train.deepspeed_config", cfg.train.deepspeed_config))
                 if path is not None and not Path(path).is_absolute()]
-    if relative:
+    store = cfg.checkpoint.store
+    if store is not None and (why := _store_url_problem(store)):
+        problems.append(f"checkpoint.store={store!r}: {why}")
+    if problems:
         raise ConfigError(f"job {cfg.name!r} cannot run under ds3dd as configured:\n  - "
-                          + "\n  - ".join(relative))
+                          + "\n  - ".join(problems))
     launch = cfg.launch
     if (launch.nnodes > 1 or launch.hosts) and len(launch.hosts) != launch.nnodes:
         raise ConfigError(
