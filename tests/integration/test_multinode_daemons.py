@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -46,16 +47,25 @@ def nodes(tmp_path):
         yield pair
 
 
+def _command_action(run_dir: Path) -> str:
+    """The action of the job's control/command.json on one node ("" before the first)."""
+    try:
+        return str(json.loads((run_dir / "control" / "command.json").read_text())["action"])
+    except FileNotFoundError:
+        return ""
+
+
 def test_two_daemons_run_one_job(nodes, tmp_path):
     a, b = nodes
+    steps = 40  # the pause reaches the job at step 3 or 4 whatever its speed (frozen below)
     store = tmp_path / "shared-store"  # the durable tier both nodes write (s3:// in production)
-    r = a.ctl("start", "tiny", "--name", "mn", "--dp", "2", "--steps", "300",
+    r = a.ctl("start", "tiny", "--name", "mn", "--dp", "2", "--steps", str(steps),
               "--hosts", f"{a.addr},{b.addr}", "--store", f"file://{store}")
     assert r.returncode == 0, r.stderr
 
-    # both workers are frozen the moment rank 0 (on B) reports step 3, until the pause is in:
-    # what the test asks of the job (status on both nodes, an injection, the pause) reaches it
-    # before its next step, however far the daemons' status lags on a loaded machine
+    # both workers are frozen the moment rank 0 (on B) reports step 3, until the pause is in
+    # both nodes' command.json: what the test asks of the job (status on both nodes, an
+    # injection, the pause) reaches it before its next step, however far the daemons lag
     share_dir = b.state_dir / "shares" / "mn"
     wait_reported_step(share_dir, 3)
     with frozen_workers(a.state_dir / "jobs" / "mn", 1), frozen_workers(share_dir, 1):
@@ -79,9 +89,14 @@ def test_two_daemons_run_one_job(nodes, tmp_path):
 
         r = b.ctl("pause", "mn")  # asked on the other node: passed on to the head
         assert r.returncode == 0, r.stderr
+        deadline = time.monotonic() + 60  # the head's supervisor writes it, then forwards it
+        while not _command_action(share_dir) == _command_action(Path(running["run_dir"])) \
+                == "pause":
+            assert time.monotonic() < deadline, "the pause did not reach both nodes"
+            time.sleep(0.05)
     paused = b.wait_state("mn", "PAUSED", "FAILED", "COMPLETED", timeout_s=180)
     assert paused["state"] == "PAUSED", a.ctl("logs", "mn").stdout[-5000:]
-    assert paused["last_checkpoint_step"] == paused["step"] < 300
+    assert paused["last_checkpoint_step"] == paused["step"] < steps
     assert (store / "mn" / "ckpt" / f"step-{paused['step']:08d}" / "MANIFEST.json").is_file()
     head_dir, share_dir = Path(paused["run_dir"]), b.state_dir / "shares" / "mn"
     assert worker_procs(head_dir) == worker_procs(share_dir) == []
@@ -89,7 +104,7 @@ def test_two_daemons_run_one_job(nodes, tmp_path):
 
     done = a.wait_state("mn", "COMPLETED", "FAILED", timeout_s=300)
     assert done["state"] == "COMPLETED", a.ctl("logs", "mn").stdout[-5000:]
-    assert done["step"] == 300 and done["world_size"] == 2 and math.isfinite(done["loss"])
+    assert done["step"] == steps and done["world_size"] == 2 and math.isfinite(done["loss"])
     assert b.job("mn") == a.job("mn")
 
     # one agent per daemon, both on the head's rendezvous store process
@@ -113,9 +128,9 @@ def test_two_daemons_run_one_job(nodes, tmp_path):
     got = {r["step"]: r["loss"] for r in sorted(
         (r for d in (head_dir, share_dir) for r in rank0_records(d, "step")),
         key=lambda r: r["time"])}
-    assert sorted(got) == list(range(1, 301))
+    assert sorted(got) == list(range(1, steps + 1))
     ref_dir = tmp_path / "ref"
-    torchrun(ref_dir, 2, sets=["name=mn", "parallel.dp=2", "train.steps=300"])
+    torchrun(ref_dir, 2, sets=["name=mn", "parallel.dp=2", f"train.steps={steps}"])
     want = losses(ref_dir)
     for step in want:
         assert got[step] == pytest.approx(want[step], rel=1e-6), f"step {step}"
@@ -126,7 +141,7 @@ def test_two_daemons_run_one_job(nodes, tmp_path):
     assert [e["to"] for e in events if e["kind"] == "state"][-4:] == \
         ["PAUSED", "STARTING", "RUNNING", "COMPLETED"]
     assert any(e["kind"] == "share" for e in events)
-    assert (store / "mn" / "ckpt" / "step-00000300" / "MANIFEST.json").is_file()
+    assert (store / "mn" / "ckpt" / f"step-{steps:08d}" / "MANIFEST.json").is_file()
 
     channel, stub = b.stub()
     try:
