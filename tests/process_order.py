@@ -1,13 +1,12 @@
 """The order in which `make test`'s process tier hands its modules to the two xdist workers.
 
 Why: under `--dist loadfile` a module is one unit of work, and a worker that finishes early
-idles while the other runs its last module. xdist's default queue (most tests first) put the
-one-test modules last, among them a 75 s one (test_store_outage_at_end): the other worker sat
-idle for most of it. Longest first (the modules below, slowest first, by the idle-CI durations
-of 2026-12-05) leaves only short modules for the end. A module missing here only runs later;
-nothing is skipped or changed; the modules not listed keep xdist's own order (most tests
-first). Active with `--dist loadfile --no-loadscope-reorder` alone (the
-Makefile's process tier); elsewhere the collection order stands.
+idles while the other runs its last module. xdist's default queue (most tests first) puts the
+one-test modules last, the very last a 75 s one (test_store_outage_at_end), which the other
+worker can spend idle. Longest first (the modules below, slowest first, by the CI durations
+of 2026-12-05) leaves only short modules for the end. Only the order changes: the modules not
+listed follow in xdist's own order. Active with `--dist loadfile --no-loadscope-reorder` alone
+(the Makefile's process tier); elsewhere the collection order stands.
 """
 
 from __future__ import annotations
