@@ -810,6 +810,15 @@ def validate_job(cfg: JobConfig, world_size: int | None = None) -> None:
     if cfg.checkpoint.store is not None and not re.match(r"^(file|s3)://", cfg.checkpoint.store):
         problems.append(f"checkpoint.store={cfg.checkpoint.store!r}: use file:///absolute/path "
                         "or s3://bucket/prefix")
+    s3_set = sorted(k for k, v in cfg.checkpoint.s3.model_dump().items() if v is not None)
+    if s3_set and not (cfg.checkpoint.store or "").startswith("s3://"):
+        problems.append(
+            f"checkpoint.s3.{s3_set[0]}" + (f" (and {len(s3_set) - 1} more)" if len(s3_set) > 1
+                                              else "")
+            + " applies to an s3:// store, and this job's checkpoint.store is "
+            + (repr(cfg.checkpoint.store) if cfg.checkpoint.store else
+               "unset (the job folder's file:// store)")
+            + ": set checkpoint.store = \"s3://bucket/prefix\", or remove [checkpoint.s3]")
     for start, end in cfg.data.skip_batches:
         if not 0 <= start < end:
             problems.append(f"data.skip_batches range [{start}, {end}) is empty or negative")

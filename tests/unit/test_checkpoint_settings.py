@@ -14,18 +14,19 @@ from ds3d.checkpoints.engine_io import open_job_storage
 from ds3d.checkpoints.file_storage import FileStorage
 from ds3d.checkpoints.settings import CheckpointSettings
 from ds3d.trainer.config import build_job_config
+from ds3d.trainer.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def test_every_setting_comes_from_the_job(tmp_path: Path) -> None:
     cfg = build_job_config("tiny", [
-        f'checkpoint.store="file://{tmp_path}/durable"', f'checkpoint.local_dir="{tmp_path}/l"',
+        'checkpoint.store="s3://bucket/durable"', f'checkpoint.local_dir="{tmp_path}/l"',
         "checkpoint.keep_last=7", "checkpoint.keep_every=50", "checkpoint.cleanup_grace_s=90",
         "parallel.zero_stage=2", "checkpoint.s3.outage_retries=4"], name="settings-job")
     s = cfg.checkpoint_settings()
     assert s == CheckpointSettings(
-        job="settings-job", store=f"file://{tmp_path}/durable", local_dir=f"{tmp_path}/l",
+        job="settings-job", store="s3://bucket/durable", local_dir=f"{tmp_path}/l",
         keep_last=7, keep_every=50, cleanup_grace_s=90.0, model_hash=cfg.model_hash(),
         zero_stage=2, s3={**{k: None for k in cfg.checkpoint.s3.model_dump()},
                           "outage_retries": 4})
@@ -41,3 +42,15 @@ def test_job_storage_is_the_jobs_prefix(tmp_path: Path) -> None:
     default = build_job_config("tiny", name="b")
     storage = open_job_storage(default.checkpoint_settings(), tmp_path / "run")
     assert isinstance(storage, FileStorage) and storage.root == tmp_path / "run" / "store" / "b"
+
+
+@pytest.mark.parametrize("store", [None, "file:///tmp/durable"])
+def test_s3_transfer_settings_without_an_s3_store_are_refused(store: str | None) -> None:
+    """[checkpoint.s3] beside a file:// store (or none: the job folder's) would be ignored:
+    refused, naming the setting and what to change."""
+    sets = ["checkpoint.s3.outage_retries=4", "checkpoint.s3.max_concurrency=2"]
+    if store:
+        sets.append(f'checkpoint.store="{store}"')
+    with pytest.raises(ConfigError, match=r"checkpoint\.s3\.max_concurrency \(and 1 more\) "
+                       r"applies to an s3:// store.*remove \[checkpoint\.s3\]"):
+        build_job_config("tiny", sets)
