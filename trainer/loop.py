@@ -55,11 +55,17 @@ class CommandInbox:
         self.payload: dict[str, Any] | None = None  # the newest command as read (rank 0)
 
     def poll(self) -> tuple[int, int]:
+        """(command id, action) of a new command, else (0, 0). A file that is no command
+        (damaged by hand: not a JSON object, an id that is no integer, an unknown action) reads
+        as none: raising here would end rank 0 at every step."""
         try:
             cmd = json.loads(self.path.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
+        except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
             return 0, 0
-        cid, action = int(cmd.get("id", 0)), ACTIONS.get(cmd.get("action", ""), 0)
+        if not isinstance(cmd, dict) or not isinstance(cmd.get("id", 0), int) or \
+                isinstance(cmd.get("id"), bool) or not isinstance(cmd.get("action", ""), str):
+            return 0, 0
+        cid, action = cmd.get("id", 0), ACTIONS.get(cmd.get("action", ""), 0)
         if cid > self.seen and action:
             self.payload = cmd
             return cid, action

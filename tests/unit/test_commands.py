@@ -3,6 +3,7 @@ the `command` events) and the command file the workers read are spelled in one p
 (daemon/commands.py); both forms must stay what they were."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -60,3 +61,22 @@ def test_the_trainer_knows_every_action_and_no_other():
     """A command the workers do not know is ignored by them (CommandInbox.poll): the two
     lists must name the same actions."""
     assert set(TRAINER_ACTIONS) == {a.value for a in Action}
+
+
+@pytest.mark.parametrize("text", ['[1, 2]', '7', 'null', '{"id": "3", "action": "pause"}',
+                                  '{"id": true, "action": "pause"}', '{"id": 3, "action": 5}',
+                                  '\xff\xfe not text'])
+def test_a_damaged_command_file_reads_as_no_command(tmp_path: Path, text: str) -> None:
+    """Rank 0 reads control/command.json at every step: a file damaged by hand reads as no
+    command (raised, it would end rank 0 at every step and the group with it); the next good
+    command is taken."""
+    from ds3d.trainer.loop import CommandInbox
+
+    (tmp_path / "control").mkdir()
+    path = tmp_path / "control" / "command.json"
+    path.write_bytes(text.encode("utf-8", "surrogateescape") if text.isascii() else
+                     text.encode("latin-1"))
+    inbox = CommandInbox(tmp_path)
+    assert inbox.poll() == (0, 0)
+    path.write_text(json.dumps({"id": 4, "action": "pause"}))
+    assert inbox.poll() == (4, TRAINER_ACTIONS["pause"])
