@@ -1,17 +1,19 @@
 """Checkpoints left local-complete but not durable by exited workers are uploaded by ds3dd.
 
 A real ds3dd runs `tiny` at TP 2 into Ceph RGW with `checkpoint.store_wait_s` = 2. radosgw is
-SIGKILLed once the first checkpoint is committed, while the job still trains; the workers
-finish, wait 2 s for the store and exit, leaving the newer checkpoints on local disk only. The
-job must not be COMPLETED: it stays RUNNING, and its status names the final step and the
-store's error. ds3dd is SIGKILLed and started again in the middle: it finds the same backlog
-in the local markers. Once the gateway is back, the daemon uploads and commits the backlog
-(both ranks' parts, rank 0's MANIFEST), and only then is the job COMPLETED: the newest durable
-checkpoint is the final step and its files verify against the manifest."""
+SIGKILLed once the first checkpoint is committed, its workers frozen meanwhile so that the job
+still trains; the workers finish, wait 2 s for the store and exit, leaving the newer checkpoints
+on local disk only. The job must not be COMPLETED: it stays RUNNING, and its status names the
+final step and the store's error. ds3dd is SIGKILLed and started again in the middle: it finds
+the same backlog in the local markers. Once the gateway is back, the daemon uploads and commits
+the backlog (both ranks' parts, rank 0's MANIFEST), and only then is the job COMPLETED: the
+newest durable checkpoint is the final step and its files verify against the manifest."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +22,14 @@ import pytest
 from ds3d.checkpoints import layout
 from ds3d.checkpoints.catalog import Catalog, CkptState
 
-from test_daemon_support import DaemonProc, loopback_nodes, worker_procs
+from test_daemon_support import DaemonProc, frozen_workers, loopback_nodes, worker_procs
 
 pytest_plugins = ["fixtures.s3", "fixtures.rgw"]
 pytestmark = [pytest.mark.rgw, pytest.mark.slow, pytest.mark.timeout(600)]
 
-STEPS, INTERVAL = 200, 50
+# the outage begins at the first commit, before the job's next step (frozen workers): the
+# checkpoints of steps 60 and 90 are left to the backlog
+STEPS, INTERVAL = 90, 30
 
 
 def _manifest_exists(client: Any, bucket: str, step: int, name: str = "bk") -> bool:
@@ -40,7 +44,23 @@ def _wait_for_first_commit(daemon: Any, client: Any, bucket: str, name: str,
     deadline = time.monotonic() + timeout_s
     while not _manifest_exists(client, bucket, INTERVAL, name):
         assert time.monotonic() < deadline, daemon.job(name)
-        time.sleep(0.2)
+        time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def _outage_from_first_commit(rgw_cluster: Any, daemon: Any, client: Any, bucket: str,
+                              name: str, workers: dict[Path, int],
+                              timeout_s: float) -> Iterator[None]:
+    """The gateway down (SIGKILL) from the job's first commit on: its `workers` (run dir ->
+    count) are frozen from the moment the commit is seen until radosgw is gone, so the outage
+    begins before the job's next step however fast it trains or however loaded the host."""
+    _wait_for_first_commit(daemon, client, bucket, name, timeout_s)
+    with contextlib.ExitStack() as outage:
+        with contextlib.ExitStack() as frozen:
+            for run_dir, count in workers.items():
+                frozen.enter_context(frozen_workers(run_dir, count))
+            outage.enter_context(rgw_cluster.gateway_down())
+        yield
 
 
 def test_backlog_is_uploaded_by_the_daemon_after_the_workers_exit(
@@ -56,8 +76,8 @@ def test_backlog_is_uploaded_by_the_daemon_after_the_workers_exit(
         assert r.returncode == 0, r.stderr
         run_dir = tmp_path / "state" / "jobs" / "bk"
         client = rgw_server.client()
-        _wait_for_first_commit(d, client, rgw_bucket, "bk", timeout_s=240)
-        with rgw_cluster.gateway_down():
+        with _outage_from_first_commit(rgw_cluster, d, client, rgw_bucket, "bk", {run_dir: 2},
+                                       timeout_s=240):
             at_outage = d.job("bk")["step"]
             assert at_outage < STEPS, f"trained to the end ({at_outage}) before the outage"
             # the workers finish, wait store_wait_s and exit; the daemon holds the job
@@ -114,9 +134,9 @@ def test_each_node_uploads_its_ranks_and_rank_0s_node_commits(
                   "--set", f'checkpoint.store="s3://{rgw_bucket}/jobs"')
         assert r.returncode == 0, r.stderr
         client = rgw_server.client()
-        _wait_for_first_commit(a, client, rgw_bucket, "mb", timeout_s=300)
         head_dir, share_dir = a.state_dir / "jobs" / "mb", b.state_dir / "shares" / "mb"
-        with rgw_cluster.gateway_down():
+        with _outage_from_first_commit(rgw_cluster, a, client, rgw_bucket, "mb",
+                                       {head_dir: 1, share_dir: 1}, timeout_s=300):
             assert a.job("mb")["step"] < STEPS, "trained to the end before the outage"
             job = a.wait_for("mb", lambda j: "final checkpoint step" in j["message"],
                              "the backlog named in the status", timeout_s=300)
@@ -167,9 +187,9 @@ def test_a_restarted_share_daemon_resumes_its_backlog(
                   "--set", f'checkpoint.store="s3://{rgw_bucket}/jobs"')
         assert r.returncode == 0, r.stderr
         client = rgw_server.client()
-        _wait_for_first_commit(a, client, rgw_bucket, "rs", timeout_s=300)
         head_dir, share_dir = a.state_dir / "jobs" / "rs", b.state_dir / "shares" / "rs"
-        with rgw_cluster.gateway_down():
+        with _outage_from_first_commit(rgw_cluster, a, client, rgw_bucket, "rs",
+                                       {head_dir: 1, share_dir: 1}, timeout_s=300):
             assert a.job("rs")["step"] < STEPS, "trained to the end before the outage"
             a.wait_for("rs", lambda j: "final checkpoint step" in j["message"],
                        "the backlog named in the status", timeout_s=300)
@@ -234,8 +254,8 @@ def test_stop_now_does_not_wait_and_names_the_local_only_steps(
                   "--set", f'checkpoint.store="s3://{rgw_bucket}/jobs"')
         assert r.returncode == 0, r.stderr
         client = rgw_server.client()
-        _wait_for_first_commit(d, client, rgw_bucket, "sn", timeout_s=240)
-        with rgw_cluster.gateway_down():
+        with _outage_from_first_commit(rgw_cluster, d, client, rgw_bucket, "sn",
+                                       {tmp_path / "state" / "jobs" / "sn": 1}, timeout_s=240):
             assert d.job("sn")["step"] < STEPS, "trained to the end before the outage"
             d.wait_for("sn", lambda j: "final checkpoint step" in j["message"],
                        "the backlog named in the status", timeout_s=240)
@@ -266,10 +286,11 @@ def test_stop_now_ends_the_share_nodes_backlog_too(
                   "--set", f'checkpoint.store="s3://{rgw_bucket}/jobs"')
         assert r.returncode == 0, r.stderr
         client = rgw_server.client()
-        _wait_for_first_commit(a, client, rgw_bucket, "ss", timeout_s=300)
         share_dir = b.state_dir / "shares" / "ss"
         failed = f'"step":{STEPS},"phase":"failed","source":"ds3dd"'
-        with rgw_cluster.gateway_down():
+        with _outage_from_first_commit(rgw_cluster, a, client, rgw_bucket, "ss",
+                                       {a.state_dir / "jobs" / "ss": 1, share_dir: 1},
+                                       timeout_s=300):
             assert a.job("ss")["step"] < STEPS, "trained to the end before the outage"
             a.wait_for("ss", lambda j: "final checkpoint step" in j["message"],
                        "the backlog named in the status", timeout_s=300)
