@@ -148,6 +148,22 @@ class CheckpointManager:
         # data_position "partition") has per-stage optimizer shards that do not fit: universal
         self.partition: list[int] | None = None
         self.uploader.resume_pending()
+        self._tell_parts_gone()
+
+    def _tell_parts_gone(self) -> None:
+        """Collective, at start: every rank says which steps it has a part of; rank 0's
+        resumed commits that a rank of the same world has none of (it died before writing
+        them) list the store once more instead of waiting for a part that never comes."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return
+        marked: list[list[int] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(marked, self.uploader.marked_steps())
+        if self.me.rank == 0:
+            gone = self.uploader.parts_gone([m or [] for m in marked], self.me.world_size)
+            if gone:
+                log.info("resumed_commits_without_parts", steps=gone,
+                         detail="those ranks ended before writing their files of the step; "
+                                "its commit is not waited for")
 
     def _agree_job_id(self, run_dir: Path) -> str:
         """Every rank uses the same job id: the one ds3dd wrote into the job directory (any

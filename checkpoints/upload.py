@@ -176,10 +176,11 @@ RESUMED_COMMIT_TIMEOUT_S = 60.0
 
 def commit_checkpoint(storage: Storage, step: int, world_size: int, meta: CheckpointMeta,
                       timeout: float, poll_interval: float = 0.5,
-                      cancelled: Callable[[], bool] | None = None) -> Manifest:
-    """Waits (up to `timeout` s, or until `cancelled()`) for all parts, merges them, writes
-    MANIFEST.json last and verifies what the store holds. Safe to repeat: an identical existing
-    manifest is accepted."""
+                      cancelled: Callable[[], str | None] | None = None) -> Manifest:
+    """Waits (up to `timeout` s, or until `cancelled()` gives a reason) for all parts, merges
+    them, writes MANIFEST.json last and verifies what the store holds. The store is listed at
+    least once: parts all there commit even when cancelled. Safe to repeat: an identical
+    existing manifest is accepted."""
     deadline = time.monotonic() + timeout
     want = set(range(world_size))
     while True:
@@ -187,9 +188,10 @@ def commit_checkpoint(storage: Storage, step: int, world_size: int, meta: Checkp
                 if (r := layout.rank_of_part_key(o.key)) is not None}
         if want <= have:
             break
-        if cancelled is not None and cancelled():
-            raise PartsMissing(f"step {step}: dropped by a restore to an older step while "
-                               "waiting for the other ranks' parts; never committed")
+        why = cancelled() if cancelled is not None else None
+        if why:
+            raise PartsMissing(f"step {step}: {why}; never committed (missing ranks "
+                               f"{sorted(want - have)[:16]})")
         if time.monotonic() >= deadline:
             missing = sorted(want - have)
             raise PartsMissing(
@@ -284,7 +286,18 @@ class _Job:
     resumed: bool = False  # found pending by a new process (resume_pending)
     entries: list[FileEntry] | None = None  # the files' sizes and sha256, once hashed
     dropped: bool = False  # abandoned by a restore to an older step (drop_newer_than)
+    parts_gone: list[int] | None = None  # resumed: ranks whose part will never come (start-up)
     written: WrittenSave | None = None  # this process's writer hashed (some of) them: by rel path
+
+
+def _why_not_waited(job: _Job) -> str | None:
+    """Why a commit stops waiting for the other ranks' parts, if it should."""
+    if job.dropped:
+        return "dropped by a restore to an older step while waiting for the other ranks' parts"
+    if job.parts_gone:
+        return (f"rank(s) {job.parts_gone} of the same world have no files of it (their "
+                "process ended before writing them), so their parts will never come")
+    return None
 
 
 class Uploader:
@@ -467,6 +480,29 @@ class Uploader:
                 steps.append(int(rec["step"]))
         return steps
 
+    def marked_steps(self) -> list[int]:
+        """Steps of which this rank has a part to give (an upload marker: pending, uploaded or
+        committed); a step it has none of is one whose files it never finished writing."""
+        return sorted(int(m.parent.name.removeprefix("step-")) for m in self.local_dir.glob(
+            f"{layout.LOCAL_STATE_DIR}/step-*/rank-{self.rank:05d}.json")
+            if m.parent.name.removeprefix("step-").isdigit())
+
+    def parts_gone(self, marked: list[list[int]], world_size: int) -> dict[int, list[int]]:
+        """Rank 0, at start, given every rank's `marked_steps` (by rank, this world): the
+        resumed commits of a save made by this same world that some rank has no part of (its
+        process died before writing its files: a crash just after a snapshot). Their commit
+        lists the store once more instead of waiting RESUMED_COMMIT_TIMEOUT_S for that part,
+        which held up every later commit and the job's end. Returns {step: ranks}."""
+        gone: dict[int, list[int]] = {}
+        with self._lock:
+            for job in self._jobs.values():
+                if not job.resumed or job.meta.layout.world_size != world_size:
+                    continue  # another world's ranks cannot say (a node lost or back)
+                lacking = [r for r, steps in enumerate(marked) if job.step not in steps]
+                if lacking:
+                    job.parts_gone = gone[job.step] = lacking
+        return gone
+
     def pending(self) -> list[int]:
         """Steps queued, in flight, or failed and waiting for a retry."""
         with self._lock:
@@ -565,7 +601,7 @@ class Uploader:
                 manifest = commit_checkpoint(
                     self.storage, job.step, job.meta.layout.world_size, job.meta,
                     timeout=min(self.commit_timeout, RESUMED_COMMIT_TIMEOUT_S) if job.resumed
-                    else self.commit_timeout, cancelled=lambda: job.dropped)
+                    else self.commit_timeout, cancelled=lambda: _why_not_waited(job))
                 save_local_manifest(self.local_dir, manifest)
                 refresh_local_latest(self.local_dir)
                 self._mark(job, "committed")
@@ -573,7 +609,7 @@ class Uploader:
             with self._lock:
                 self._forget(job)
         except PartsMissing as e:
-            if not (job.resumed or job.dropped):
+            if not (job.resumed or job.dropped or job.parts_gone):
                 self._retry_later(job, t0, e)
             else:  # the rank that owed a part died with its process (or a restore to an older
                 # step dropped it): superseded by newer ones
