@@ -25,6 +25,7 @@ from ds3d.trainer.partition import Prediction, current_partition
 from ds3d.v1 import control_pb2 as pb
 from ds3d.v1 import control_pb2_grpc as pb_grpc
 
+from . import job_pages
 from .job_leadership import LEASE_TTL_S
 from .logging import get_logger
 from .peers import HeadReplacingError, PeerClient, PeerError, Shares
@@ -46,6 +47,10 @@ def _name(name: str) -> str:
         shown = repr(name) if len(name) <= 80 else f"{name[:80]!r}... ({len(name)} characters)"
         raise ConfigError(f"job name {shown} is not allowed: use {JOB_NAME_RULE}")
     return name
+
+
+def _listing_key(job: pb.JobStatus) -> job_pages.JobKey:
+    return job_pages.JobKey(job.created_at, job.spec.name)
 
 
 def check_share_request(request: pb.StartShareRequest, job: str) -> None:
@@ -233,8 +238,22 @@ class ControlServicer(pb_grpc.ControlServicer):
 
     def ListJobs(self, request: pb.ListJobsRequest,
                  context: grpc.ServicerContext) -> pb.ListJobsResponse:
-        jobs = [job_to_proto(j, self.service.step_split(j.name))
-                for j in self.service.list_jobs(request.include_finished)]
+        size = job_pages.page_size(request.page_size)
+        after = job_pages.decode_token(request.page_token, request.include_finished)
+        local = self.service.jobs_page(request.include_finished,
+                                       None if after is None else (after.created_at, after.name),
+                                       size + 1)  # one more: is there a next page
+        candidates = [job_to_proto(j, self.service.step_split(j.name)) for j in local]
+        candidates += [j for j in self._shared_jobs(request.include_finished)
+                       if after is None or _listing_key(j) > after]
+        jobs, last = job_pages.take_page(candidates, _listing_key, size, pb.JobStatus.ByteSize)
+        token = "" if last is None else job_pages.encode_token(last, request.include_finished)
+        return pb.ListJobsResponse(jobs=jobs, next_page_token=token)
+
+    def _shared_jobs(self, include_finished: bool) -> list[pb.JobStatus]:
+        """Jobs headed by another daemon of which this node runs a share, as their heads
+        answer (a head that does not answer: the job is left out and logged)."""
+        jobs = []
         for name in self.shares.names():
             try:
                 if self._head(name) is None:
@@ -246,9 +265,9 @@ class ControlServicer(pb_grpc.ControlServicer):
             if answer is None:  # headed here after all (the share ended meanwhile)
                 continue
             job = answer.job
-            if request.include_finished or job.state not in _TERMINAL:
+            if include_finished or job.state not in _TERMINAL:
                 jobs.append(job)
-        return pb.ListJobsResponse(jobs=jobs)
+        return jobs
 
     def WatchEvents(self, request: pb.WatchEventsRequest,
                     context: grpc.ServicerContext) -> Iterator[pb.Event]:

@@ -3,7 +3,7 @@
     ds3dctl start tiny --name t1 --steps 20 --set train.lr=1e-3
     ds3dctl check gpt125m --deepspeed ds_config.json   (no daemon: effective job + DeepSpeed config)
     ds3dctl start --neox 125M.yml --store s3://b/p      (a GPT-NeoX YAML, translated)
-    ds3dctl status [JOB] [--json]      ds3dctl list [--all]
+    ds3dctl status [JOB] [--json]      ds3dctl list [--all] [--limit N]
     ds3dctl pause JOB [--fast] | resume JOB | stop JOB [--now]
     ds3dctl events JOB [--follow]      ds3dctl logs JOB
     ds3dctl checkpoints JOB | save JOB | rollback JOB STEP
@@ -43,6 +43,7 @@ from ds3d.v1 import control_pb2_grpc as pb_grpc
 
 from .auth import read_token, token_problem
 from .check import check_sections, render, source_with_files, validated_job
+from .job_pages import MAX_PAGE_SIZE
 
 DEFAULT_ADDR = "127.0.0.1:7531"
 EXIT_BAD_INPUT = 2
@@ -108,6 +109,11 @@ def _seconds(value: str) -> float:
     return seconds
 
 
+def _limit_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--limit", type=_count(1, INT32_MAX), default=None, metavar="N",
+                   help="list the N oldest jobs only (default: all, fetched page by page)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="ds3dctl", description="control ds3d training jobs")
     ap.add_argument("--addr", default=os.environ.get("DS3D_ADDR", DEFAULT_ADDR), type=_address,
@@ -137,9 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="one job, or all live jobs")
     p.add_argument("job", nargs="?")
     p.add_argument("--json", action="store_true")
+    _limit_argument(p)
     p = sub.add_parser("list", help="jobs of this daemon")
     p.add_argument("--all", action="store_true", help="include finished jobs")
     p.add_argument("--json", action="store_true")
+    _limit_argument(p)
     p = sub.add_parser("events", help="a job's event history")
     p.add_argument("job")
     p.add_argument("--follow", "-f", action="store_true")
@@ -271,6 +279,30 @@ class Client:
 
     def stream(self, method: str, request: Any) -> Any:
         return getattr(self.stub, method)(request, metadata=self.metadata)
+
+
+def list_jobs(client: Client, include_finished: bool, limit: int | None) -> list[Any]:
+    """Every job ListJobs pages through (oldest first), or the first `limit`; a note on stderr
+    says when more were left out."""
+    jobs: list[Any] = []
+    token = ""
+    seen = set()
+    while limit is None or len(jobs) < limit:
+        want = MAX_PAGE_SIZE if limit is None else min(MAX_PAGE_SIZE, limit - len(jobs))
+        resp = client.call("ListJobs", pb.ListJobsRequest(
+            include_finished=include_finished, page_size=want, page_token=token))
+        jobs.extend(resp.jobs)
+        token = resp.next_page_token
+        if not token:
+            break
+        if token in seen:  # a daemon that repeats itself would page forever
+            raise UsageError(f"the daemon at {client.addr} sent the same ListJobs page token "
+                             "twice (a daemon bug); `--limit N` lists the first N jobs")
+        seen.add(token)
+    if limit is not None and (token or len(jobs) > limit):
+        print(f"ds3dctl: the {limit} oldest jobs listed (--limit {limit}); the daemon has more",
+              file=sys.stderr)
+    return jobs[:limit]
 
 
 # ---- output ---------------------------------------------------------------------------------
@@ -516,8 +548,7 @@ def run(args: argparse.Namespace, out: Any = sys.stdout) -> int:
         if c == "status" and args.job:
             jobs = [client.call("GetJob", pb.JobRef(name=args.job)).job]
         else:
-            jobs = list(client.call("ListJobs", pb.ListJobsRequest(
-                include_finished=c == "status" or args.all)).jobs)
+            jobs = list_jobs(client, c == "status" or args.all, args.limit)
         # checkpoint.interval / memory_interval = "auto": the newest intervals and what they
         # were computed from (one record carries both)
         interval = _newest_event(client, args.job, EventKind.CHECKPOINT_INTERVAL) \

@@ -321,8 +321,11 @@ class JobService:
         """The job is headed by this daemon (stored here)."""
         return self.store.has_job(name)
 
-    def list_jobs(self, include_finished: bool) -> list[Job]:
-        return [j for j in self.store.list_jobs() if include_finished or j.state not in TERMINAL]
+    def jobs_page(self, include_finished: bool, after: tuple[float, str] | None,
+                  limit: int) -> list[Job]:
+        """At most `limit` jobs headed here, oldest first, after the listing key `after`
+        (job_pages.py): never the whole store in one answer."""
+        return self.store.list_jobs_page(after, limit, include_finished)
 
     def checkpoints(self, name: str, verify: bool = False) -> tuple[list[CheckpointRow],
                                                                     list[str]]:

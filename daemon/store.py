@@ -40,7 +40,7 @@ from typing import Any
 from ds3d.trainer.errors import AlreadyExistsError, NotFoundError, StateError
 from ds3d.trainer.kinds import EventKind
 
-from .states import JobState, check_transition
+from .states import TERMINAL, JobState, check_transition
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -100,6 +100,7 @@ CREATE TABLE IF NOT EXISTS events (
     tokens_per_s REAL,
     detail_json TEXT NOT NULL DEFAULT '{}'
 );
+CREATE INDEX IF NOT EXISTS jobs_listed ON jobs(created_at, name);
 CREATE INDEX IF NOT EXISTS events_job ON events(job, seq);
 CREATE INDEX IF NOT EXISTS events_job_kind ON events(job, kind, seq);
 CREATE TABLE IF NOT EXISTS offsets (
@@ -336,6 +337,25 @@ class Store:
     def list_jobs(self) -> list[Job]:
         with self._lock:
             rows = self._db.execute("SELECT * FROM jobs ORDER BY created_at, name").fetchall()
+        return [Job.from_row(r) for r in rows]
+
+    def list_jobs_page(self, after: tuple[float, str] | None, limit: int,
+                       include_finished: bool) -> list[Job]:
+        """At most `limit` jobs in listing order (created_at, then name) after the key `after`
+        (None: from the first), without the finished ones unless `include_finished`: one
+        ListJobs page read by its index, whatever the number of jobs stored."""
+        where: list[str] = []
+        params: list[Any] = []
+        if after is not None:
+            where.append("(created_at > ? OR (created_at = ? AND name > ?))")
+            params += [after[0], after[0], after[1]]
+        if not include_finished:
+            where.append(f"state NOT IN ({','.join('?' * len(TERMINAL))})")
+            params += [s.value for s in TERMINAL]
+        sql = ("SELECT * FROM jobs" + (" WHERE " + " AND ".join(where) if where else "")
+               + " ORDER BY created_at, name LIMIT ?")
+        with self._lock:
+            rows = self._db.execute(sql, (*params, limit)).fetchall()
         return [Job.from_row(r) for r in rows]
 
     def quarantine_unreadable(self, config_problem: Callable[[str], str | None]) -> list[Job]:
