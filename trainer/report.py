@@ -28,7 +28,9 @@ and their extra fields:
     step        step, loss, grad_norm, lr, loss_scale, tokens_per_s, step_time_s, samples (rank 0
                 only writes `step` records; every rank writes `heartbeat`)
     heartbeat   step (the last completed step), phase ("init", "build", "load", "train", "save",
-                "store_wait")
+                "store_wait"); "init" carries startup_s (seconds from the process's start to
+                each start-up stage: imported, config, device, process_group, layout), "load"
+                build_s (the engine's build, then the wait for the read-ahead)
     checkpoint  step, phase ("saved", "local_complete", "committed", "failed", "uploaded",
                 "abandoned", "skipped", "restoring", "loaded", "rolled_back", "reshaped",
                 "retention", "swept", "cleanup_failed"; rank 0 only: "held_in_memory", a
