@@ -710,7 +710,24 @@ def build_job_config(source: str, overrides: list[str] | None = None,
         check_translated(cfg, translation)
     validate_job(cfg)
     validate_tokenizer(cfg)
+    if why := _s3_settings_problem(cfg):
+        raise ConfigError(f"job {cfg.name!r} cannot run as configured:\n  - {why}")
     return cfg
+
+
+def _s3_settings_problem(cfg: JobConfig) -> str | None:
+    """[checkpoint.s3] beside a store that is not s3:// would do nothing. Checked where a job
+    is built or submitted (build_job_config, validate_for_daemon), not at a worker's start: a
+    job stored before this rule stays runnable."""
+    given = sorted(k for k, v in cfg.checkpoint.s3.model_dump().items() if v is not None)
+    if not given or (cfg.checkpoint.store or "").startswith("s3://"):
+        return None
+    return (f"checkpoint.s3.{given[0]}" + (f" (and {len(given) - 1} more)" if len(given) > 1
+                                           else "")
+            + " applies to an s3:// store, and this job's checkpoint.store is "
+            + (repr(cfg.checkpoint.store) if cfg.checkpoint.store else
+               "unset (the job folder's file:// store)")
+            + ": set checkpoint.store = \"s3://bucket/prefix\", or remove [checkpoint.s3]")
 
 
 def _leaf_paths(raw: dict[str, Any], prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
@@ -810,15 +827,6 @@ def validate_job(cfg: JobConfig, world_size: int | None = None) -> None:
     if cfg.checkpoint.store is not None and not re.match(r"^(file|s3)://", cfg.checkpoint.store):
         problems.append(f"checkpoint.store={cfg.checkpoint.store!r}: use file:///absolute/path "
                         "or s3://bucket/prefix")
-    s3_set = sorted(k for k, v in cfg.checkpoint.s3.model_dump().items() if v is not None)
-    if s3_set and not (cfg.checkpoint.store or "").startswith("s3://"):
-        problems.append(
-            f"checkpoint.s3.{s3_set[0]}" + (f" (and {len(s3_set) - 1} more)" if len(s3_set) > 1
-                                              else "")
-            + " applies to an s3:// store, and this job's checkpoint.store is "
-            + (repr(cfg.checkpoint.store) if cfg.checkpoint.store else
-               "unset (the job folder's file:// store)")
-            + ": set checkpoint.store = \"s3://bucket/prefix\", or remove [checkpoint.s3]")
     for start, end in cfg.data.skip_batches:
         if not 0 <= start < end:
             problems.append(f"data.skip_batches range [{start}, {end}) is empty or negative")
@@ -863,6 +871,8 @@ def validate_for_daemon(cfg: JobConfig) -> None:
     store = cfg.checkpoint.store
     if store is not None and (why := _store_url_problem(store)):
         problems.append(f"checkpoint.store={store!r}: {why}")
+    if s3_why := _s3_settings_problem(cfg):
+        problems.append(s3_why)
     if problems:
         raise ConfigError(f"job {cfg.name!r} cannot run under ds3dd as configured:\n  - "
                           + "\n  - ".join(problems))

@@ -54,3 +54,17 @@ def test_s3_transfer_settings_without_an_s3_store_are_refused(store: str | None)
     with pytest.raises(ConfigError, match=r"checkpoint\.s3\.max_concurrency \(and 1 more\) "
                        r"applies to an s3:// store.*remove \[checkpoint\.s3\]"):
         build_job_config("tiny", sets)
+
+
+def test_a_stored_job_with_s3_settings_on_a_file_store_stays_runnable(tmp_path: Path) -> None:
+    """The rule holds where a job is built or submitted (ds3dctl, ds3dd's StartJob), not at a
+    worker's (re)start: a job stored before it keeps running after an upgrade."""
+    from ds3d.trainer.config import JobConfig, validate_for_daemon, validate_job
+
+    good = build_job_config("tiny", ['checkpoint.store="s3://b/p"',
+                                     "checkpoint.s3.outage_retries=4"])
+    stored = JobConfig.parse_json(good.model_copy(update={"checkpoint": good.checkpoint.model_copy(
+        update={"store": f"file://{tmp_path}/durable"})}).dump_json(), "job.json")
+    validate_job(stored)  # what every worker start checks
+    with pytest.raises(ConfigError, match="checkpoint.s3.outage_retries applies to an s3://"):
+        validate_for_daemon(stored)
