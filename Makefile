@@ -12,9 +12,7 @@ export DS_BUILD_OPS := 0
 # second: everything that starts training processes (ds3dd with real workers, the agent, the
 # drills), a module per xdist worker (module fixtures are shared): the workers are forked from
 # a preloaded forkserver (daemon/agent.py), so these tests mostly wait on the jobs they drive
-# (timeouts, outages, polls) and two of them share 2 cores without timing each other out. Its
-# modules are handed out longest first (tests/process_order.py: xdist's own order, most tests
-# first, left a 75 s module for the end while the other worker idled).
+# (timeouts, outages, polls) and two of them share 2 cores without timing each other out.
 # The `timing` tests (wall-clock bounds) then run alone. Every part always runs; `make test`
 # fails if any fails (pytest's "no tests collected" excepted for the timing run).
 PARALLEL_TESTS := tests/unit tests/integration/test_s3_conformance.py \
@@ -50,8 +48,7 @@ lint: setup
 test: warm lint
 	@status=0; \
 	$(BIN)/pytest -q -ra -n 2 -m "not timing" --durations=20 $(PARALLEL_TESTS) || status=1; \
-	$(BIN)/pytest -q -ra -n 2 --dist loadfile --no-loadscope-reorder -m "not timing" \
-		--durations=40 \
+	$(BIN)/pytest -q -ra -n 2 --dist loadfile -m "not timing" --durations=40 \
 		$(addprefix --ignore=,$(PARALLEL_TESTS)) tests || status=1; \
 	$(BIN)/pytest -q -ra -m timing tests; rc=$$?; \
 	[ $$rc -eq 0 ] || [ $$rc -eq 5 ] || status=1; \

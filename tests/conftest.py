@@ -20,9 +20,8 @@ if "DS3D_NODE_MEMORY_ROOT" not in os.environ and os.path.isdir("/dev/shm"):
     os.environ["DS3D_NODE_MEMORY_ROOT"] = _node_memory
     atexit.register(shutil.rmtree, _node_memory, True)
 
-# Under CI=true a skipped rgw/promtool test fails the run (tests/required_tiers.py); the process
-# tier hands its longest modules out first (tests/process_order.py).
-pytest_plugins = ["required_tiers", "process_order"]
+# Under CI=true a skipped rgw/promtool test fails the run (tests/required_tiers.py).
+pytest_plugins = ["required_tiers"]
 
 
 def pytest_collection_modifyitems(config, items):
