@@ -36,7 +36,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -389,8 +389,7 @@ class Uploader:
     def _stale_local_steps(self, step: int) -> set[int]:
         """Steps after `step` that this rank holds locally, uncommitted, with no job here."""
         out = set()
-        for marker in self.local_dir.glob(
-                f"{layout.LOCAL_STATE_DIR}/step-*/rank-{self.rank:05d}.json"):
+        for marker in self._markers():
             rec = read_marker(marker)
             if rec and int(rec.get("step", -1)) > step and rec.get("state") != "committed":
                 out.add(int(rec["step"]))
@@ -467,8 +466,7 @@ class Uploader:
     def resume_pending(self) -> list[int]:
         """Re-queues this rank's unfinished uploads found in the local markers (after a restart)."""
         steps = []
-        for marker in sorted(self.local_dir.glob(
-                f"{layout.LOCAL_STATE_DIR}/step-*/rank-{self.rank:05d}.json")):
+        for marker in sorted(self._markers()):
             rec = read_marker(marker)
             if not rec or rec.get("meta") is None:
                 continue
@@ -483,9 +481,12 @@ class Uploader:
     def marked_steps(self) -> list[int]:
         """Steps of which this rank has a part to give (an upload marker: pending, uploaded or
         committed); a step it has none of is one whose files it never finished writing."""
-        return sorted(int(m.parent.name.removeprefix("step-")) for m in self.local_dir.glob(
-            f"{layout.LOCAL_STATE_DIR}/step-*/rank-{self.rank:05d}.json")
-            if m.parent.name.removeprefix("step-").isdigit())
+        return sorted(int(m.parent.name.removeprefix("step-")) for m in self._markers()
+                      if m.parent.name.removeprefix("step-").isdigit())
+
+    def _markers(self) -> Iterator[Path]:
+        """This rank's upload markers, one per step it saved and has not deleted."""
+        return self.local_dir.glob(f"{layout.LOCAL_STATE_DIR}/step-*/rank-{self.rank:05d}.json")
 
     def parts_gone(self, marked: list[list[int]], world_size: int) -> dict[int, list[int]]:
         """Rank 0, at start, given every rank's `marked_steps` (by rank, this world): the
