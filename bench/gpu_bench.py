@@ -655,18 +655,21 @@ def _restore_phases(recs: list[dict], t0: float, log: str) -> dict:
     pid = [r for r in recs if r["kind"] == "start"][-1]["pid"]
     mine = [r for r in recs if r["pid"] == pid]
 
-    def first(kind, **kw):
-        return next(r["time"] for r in mine if r["kind"] == kind and
+    def record(kind, **kw):
+        return next(r for r in mine if r["kind"] == kind and
                     all(r.get(k) == v for k, v in kw.items()))
 
-    init, build = first("heartbeat", phase="init"), first("heartbeat", phase="build")
-    heartbeat = next(r for r in mine if r["kind"] == "heartbeat" and r.get("phase") == "init")
-    forked = next((r["process_started"] for r in mine if r["kind"] == "start"), None)
+    def first(kind, **kw):
+        return record(kind, **kw)["time"]
+
+    started, loading = record("heartbeat", phase="init"), record("heartbeat", phase="load")
+    init, build, load = started["time"], first("heartbeat", phase="build"), loading["time"]
+    forked = record("start").get("process_started")
     group = re.findall(r"ds3d agent: starting the worker group at ([0-9.]+)", log)
     # the newest group start before this worker's fork (an earlier one's worker crashed)
     group_at = max((float(g) for g in group if forked is None or float(g) <= forked + 0.5),
                    default=None)
-    load, loaded = first("heartbeat", phase="load"), first("checkpoint", phase="loaded")
+    loaded = first("checkpoint", phase="loaded")
     step1 = first("step")
     restoring = [r for r in mine if r["kind"] == "checkpoint" and r.get("phase") == "restoring"]
     verified = [line for line in log.splitlines() if "local_copy_verified" in line]
@@ -687,11 +690,10 @@ def _restore_phases(recs: list[dict], t0: float, log: str) -> dict:
                 "to the agent's start of the group (its start and rendezvous, or noticing "
                 "the crash)": group_at - t0 if group_at else None,
                 "forkserver + fork": forked - group_at if forked and group_at else None,
-                "worker start-up stages, from its fork": heartbeat.get("startup_s"),
+                "worker start-up stages, from its fork": started.get("startup_s"),
                 "fork to init heartbeat": init - forked if forked else None},
             # the engine's build and the wait for the read after it (the load heartbeat)
-            "build_parts_s": next((r.get("build_s") for r in mine if r["kind"] == "heartbeat"
-                                   and r.get("phase") == "load"), None),
+            "build_parts_s": loading.get("build_s"),
             "snapshot_arenas": _arenas_reserved(log, t0),
             "read_and_verify_s (background, overlapped with the build)":
                 float(read_s.group(1)) if read_s else None,
