@@ -787,6 +787,17 @@ def sec_restore(args, sets: tuple[str, ...] = ()) -> dict:
     out["note"] = ("floor = one sequential read of the checkpoint's files + the same model's "
                    "engine build (TrainStep) with no load, both measured after the restore in "
                    "this section")
+    if sets:  # the variants share the first restore's build profile
+        return out
+    # where the bare build's seconds go: the same build once more, in a fresh process, under
+    # cProfile (its own time is not the floor: profiling slows the Python parts)
+    profiled = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--section",
+                               "engine_build_profile", "--device", args.device, "--work",
+                               args.work] + (["--quick"] if args.quick else []), env=env,
+                              capture_output=True, text=True, timeout=300)
+    lines = [line for line in profiled.stdout.splitlines() if line.startswith("RESULT ")]
+    out["floor_engine_build_profile"] = json.loads(lines[-1][7:]) if lines else \
+        {"error": profiled.stderr[-2000:]}
     return out
 
 
@@ -1103,6 +1114,28 @@ def sec_engine_build(args) -> dict:
     return {"engine_build_s": time.perf_counter() - t0}
 
 
+def sec_engine_build_profile(args) -> dict:
+    """The bare engine build under cProfile: the calls that hold it, by cumulative seconds."""
+    import cProfile
+    import io
+    import pstats
+
+    cfg, device, layout, TrainStep = engine_stack(args, ["checkpoint.keep_last=2"])
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    TrainStep(cfg, layout, device)
+    sync(device)
+    prof.disable()
+    seconds = time.perf_counter() - t0
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(45)
+    tottime = io.StringIO()
+    pstats.Stats(prof, stream=tottime).sort_stats("tottime").print_stats(20)
+    return {"profiled_build_s": seconds, "cumulative": text.getvalue()[-9000:],
+            "tottime": tottime.getvalue()[-4000:]}
+
+
 def _h2d_GBps(device) -> float:
     """Host-to-device GB/s from pinned memory (4 GiB, best of 3)."""
     import torch
@@ -1271,7 +1304,8 @@ def run_section(name: str, args) -> dict:
           "profile": sec_profile, "checkpoint": sec_checkpoint, "restore": sec_restore,
           "restore_process_memory": lambda a: sec_restore(
               a, ("checkpoint.keep_in_node_memory=false",)),
-          "engine_build": sec_engine_build, "rollback": sec_rollback,
+          "engine_build": sec_engine_build, "engine_build_profile": sec_engine_build_profile,
+          "rollback": sec_rollback,
           "goodput": sec_goodput, "pinning": sec_pinning}[name]
     return fn(args)
 
