@@ -43,6 +43,14 @@ optimizer work (~300 parameters, several kernels each) left the GPU waiting on t
   A non-finite norm discards the gradients right after (`clear_hp_grads`), as in DeepSpeed,
   so the early multiply leaves no trace.
 
+* AdamW's step, on CUDA (trainer/fused_adamw.py): the clip's multiply, torch's AdamW update
+  and `update_lp_params`' copy of the fp32 weights into the bf16 partition are one Triton pass
+  over the flat partitions instead of three (the clip coefficient is applied as the kernel reads
+  each gradient, so the gradient buffer keeps the unclipped values; nothing reads it before the
+  next `clear_hp_grads`). Its weights may differ from torch's AdamW kernel in the last bits, like
+  the norm above. Only a first step (the moments do not exist yet), SGD or other optimizers,
+  and the CPU keep torch's step.
+
 * the data-parallel gradient reduction, when it is an identity (`reduction_is_identity`): at
   DP 1 without gradient accumulation DeepSpeed still converts the fp32 gradient buffers to bf16
   and back (two full passes over them) around an all-reduce of one rank.
@@ -59,6 +67,8 @@ import os
 from typing import Any
 
 import torch
+
+from . import fused_adamw
 
 
 def install() -> None:
@@ -134,7 +144,7 @@ def install() -> None:
         tensors = [t.detach() for t in input_tensors]
         if not torch.is_tensor(global_norm) or not tensors:
             return stock_clip(input_tensors, max_norm, global_norm, mpu, eps)
-        coef = torch.clamp(max_norm / (global_norm + eps), max=1.0)
+        coef = clip_coefficient(global_norm, max_norm, eps)
         for dtype in {t.dtype for t in tensors}:
             torch._foreach_mul_([t for t in tensors if t.dtype == dtype], coef.to(dtype))
         return global_norm
@@ -151,7 +161,11 @@ def install() -> None:
         grads, _ = self.get_grads_for_norm()
         norm = global_norm_2(grads, self.mpu)
         self._global_grad_norm = norm
-        if self.clip_grad > 0.:  # queued before the host sync below
+        fused = fused_adamw.partitions(self)  # AdamW + clip + bf16 copy in one pass
+        coef = None
+        if self.clip_grad > 0. and fused is not None:
+            coef = clip_coefficient(norm, self.clip_grad)
+        elif self.clip_grad > 0.:  # queued before the host sync below
             clip(self.get_grads_for_norm(for_clipping=True), max_norm=self.clip_grad,
                  global_norm=norm, mpu=self.mpu)
         if bf16_optimizer.is_invalid_grad_norm(norm):
@@ -159,6 +173,18 @@ def install() -> None:
             self._global_grad_norm = float("inf")
             self.clear_hp_grads()
             self.clear_lp_grads()
+            return None
+        if fused is not None:
+            fused_adamw.step_(fused, coef)
+            self.optimizer._opt_called = True  # as torch's step marks it for the LR scheduler
+            self._lazy_init_hp_params_optimizer_state()
+            bf16_optimizer.all_gather_dp_groups(
+                groups_flat=self.bf16_groups_flat,
+                partitioned_param_groups=self.bf16_partitioned_groups,
+                dp_process_group=self.real_dp_process_group,
+                start_alignment_factor=self.nccl_start_alignment_factor,
+                allgather_bucket_size=self.allgather_bucket_size)  # update_lp_params' second half
+            self.clear_hp_grads()
             return None
         for param_partition, grad_partition in zip(self.fp32_groups_flat_partition,
                                                    self.fp32_groups_gradient_flat_partition,
@@ -192,6 +218,13 @@ def install() -> None:
     cls.step = step
     bf16_optimizer.clip_tensors_by_global_norm = clip
     DeepSpeedEngine.buffered_allreduce_fallback = buffered_allreduce_fallback
+
+
+def clip_coefficient(global_norm: torch.Tensor, max_norm: float,
+                     eps: float = 1e-6) -> torch.Tensor:
+    """DeepSpeed 0.19's clip_tensors_by_global_norm factor (eps its default), at most 1: the
+    gradients are multiplied by it every step (by exactly 1.0 when the norm is under max_norm)."""
+    return torch.clamp(max_norm / (global_norm + eps), max=1.0)
 
 
 def copies_first_gradients(opt: Any) -> bool:
