@@ -18,9 +18,10 @@ never for a client, on any listen address, loopback included:
 * a daemon with neither takes no part in multi-node jobs and refuses every peer RPC;
 * the client token is valid on the client RPCs only, the peer token on the peer RPCs only.
 
-Status codes as gRPC defines them: no credential, or a token this daemon does not know, is
-UNAUTHENTICATED; a valid credential of the wrong principal (a client calling StartShare, a
-client certificate that is not a peer's) is PERMISSION_DENIED.
+Status codes as gRPC defines them: no credential, a token this daemon does not know, or more
+than one `authorization` header (which one counts would be a guess: a proxy that appends a
+header would decide it) is UNAUTHENTICATED; a valid credential of the wrong principal (a client
+calling StartShare, a client certificate that is not a peer's) is PERMISSION_DENIED.
 """
 
 from __future__ import annotations
@@ -203,8 +204,14 @@ class AuthInterceptor(grpc.ServerInterceptor):
         method = handler_call_details.method
         if method.startswith(UNAUTHENTICATED_METHODS):
             return continuation(handler_call_details)
-        metadata = dict(handler_call_details.invocation_metadata or ())
-        header = str(metadata.get("authorization", ""))
+        headers = [str(v) for k, v in handler_call_details.invocation_metadata or ()
+                   if k == "authorization"]
+        if len(headers) > 1:
+            return _refuse(continuation(handler_call_details), UnauthenticatedError(
+                f"the request carries {len(headers)} authorization headers; send exactly one, "
+                "`authorization: Bearer TOKEN` (a proxy or client that adds its own must "
+                "replace the header, not add another)"))
+        header = headers[0] if headers else ""
         scheme, _, given = header.partition(" ")
         token = given.strip().encode() if header else None
         role = self._role(token) if token is not None and scheme.lower() == "bearer" else None

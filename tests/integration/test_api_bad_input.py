@@ -116,6 +116,29 @@ def test_rpc_refusals(daemon, what, method, request_, metadata, code, needle):
     still_serving(daemon)
 
 
+def test_two_authorization_headers_are_refused_whichever_comes_first(daemon):
+    """Was: the daemon read one of two `authorization` headers and ignored the other, so which
+    credential counted depended on the order a client or proxy sent them. Any two, the right
+    token among them or not, on a client or a peer RPC, are UNAUTHENTICATED with the reason."""
+    good = f"Bearer {daemon.token}"
+    peer = f"Bearer {daemon.peer_token}"
+    wrong = "Bearer wrong-token-wrong-token"
+    for method, request_, headers in [
+            ("ListJobs", pb.ListJobsRequest(), [good, wrong]),
+            ("ListJobs", pb.ListJobsRequest(), [wrong, good]),
+            ("ListJobs", pb.ListJobsRequest(), [good, good]),
+            ("ListJobs", pb.ListJobsRequest(), [peer, good]),
+            ("WatchEvents", pb.WatchEventsRequest(name="ghost"), [wrong, good]),
+            ("NodeStatus", pb.NodeStatusRequest(), [peer, wrong])]:
+        with pytest.raises(grpc.RpcError) as e:
+            call(daemon, method, request_, [("authorization", h) for h in headers])
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, (method, e.value.details())
+        assert "carries 2 authorization headers; send exactly one" in e.value.details()
+    assert call(daemon, "ListJobs", pb.ListJobsRequest(), [("authorization", good)]) \
+        is not None  # one header with the token: served
+    still_serving(daemon)
+
+
 CLI_CASES = [
     ("unknown preset", ["start", "gpt7"], "unknown preset 'gpt7'"),
     ("bad --set syntax", ["start", "tiny", "--set", "train.lr"], "expected KEY=VALUE"),
