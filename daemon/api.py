@@ -49,10 +49,6 @@ def _name(name: str) -> str:
     return name
 
 
-def _listing_key(job: pb.JobStatus) -> job_pages.JobKey:
-    return job_pages.JobKey(job.created_at, job.spec.name)
-
-
 def check_share_request(request: pb.StartShareRequest, job: str) -> None:
     """The launch fields of a StartShare, as the head builds them (supervisor.py,
     rendezvous.rendezvous_run_id): a malformed one would replace the node's running agent of
@@ -240,15 +236,19 @@ class ControlServicer(pb_grpc.ControlServicer):
                  context: grpc.ServicerContext) -> pb.ListJobsResponse:
         size = job_pages.page_size(request.page_size)
         after = job_pages.decode_token(request.page_token, request.include_finished)
-        local = self.service.jobs_page(request.include_finished,
-                                       None if after is None else (after.created_at, after.name),
-                                       size + 1)  # one more: is there a next page
-        candidates = [job_to_proto(j, self.service.step_split(j.name)) for j in local]
-        candidates += [j for j in self._shared_jobs(request.include_finished)
-                       if after is None or _listing_key(j) > after]
-        jobs, last = job_pages.take_page(candidates, _listing_key, size, pb.JobStatus.ByteSize)
+        local = [] if after is not None and after.shared else self.service.jobs_page(
+            request.include_finished, None if after is None else after.seq,
+            size + 1)  # one more: is there a next page
+        candidates = [(job_pages.own_key(j.listed_seq, j.name),
+                       job_to_proto(j, self.service.step_split(j.name))) for j in local]
+        for shared in self._shared_jobs(request.include_finished):
+            key = job_pages.shared_key(shared.spec.name)
+            if after is None or key > after:
+                candidates.append((key, shared))
+        page, last = job_pages.take_page(candidates, lambda c: c[0], size,
+                                         lambda c: c[1].ByteSize())
         token = "" if last is None else job_pages.encode_token(last, request.include_finished)
-        return pb.ListJobsResponse(jobs=jobs, next_page_token=token)
+        return pb.ListJobsResponse(jobs=[job for _, job in page], next_page_token=token)
 
     def _shared_jobs(self, include_finished: bool) -> list[pb.JobStatus]:
         """Jobs headed by another daemon of which this node runs a share, as their heads

@@ -321,11 +321,11 @@ class JobService:
         """The job is headed by this daemon (stored here)."""
         return self.store.has_job(name)
 
-    def jobs_page(self, include_finished: bool, after: tuple[float, str] | None,
+    def jobs_page(self, include_finished: bool, after_seq: int | None,
                   limit: int) -> list[Job]:
-        """At most `limit` jobs headed here, oldest first, after the listing key `after`
-        (job_pages.py): never the whole store in one answer."""
-        return self.store.list_jobs_page(after, limit, include_finished)
+        """At most `limit` jobs headed here, oldest first, after the one numbered `after_seq`
+        in listings (job_pages.py): never the whole store in one answer."""
+        return self.store.list_jobs_page(after_seq, limit, include_finished)
 
     def checkpoints(self, name: str, verify: bool = False) -> tuple[list[CheckpointRow],
                                                                     list[str]]:

@@ -73,7 +73,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     done_reason TEXT NOT NULL DEFAULT '',
     next_launch_at REAL NOT NULL DEFAULT 0,
     job_id TEXT NOT NULL DEFAULT '',
-    leader TEXT NOT NULL DEFAULT ''
+    leader TEXT NOT NULL DEFAULT '',
+    listed_seq INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS transitions (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -100,7 +101,6 @@ CREATE TABLE IF NOT EXISTS events (
     tokens_per_s REAL,
     detail_json TEXT NOT NULL DEFAULT '{}'
 );
-CREATE INDEX IF NOT EXISTS jobs_listed ON jobs(created_at, name);
 CREATE INDEX IF NOT EXISTS events_job ON events(job, seq);
 CREATE INDEX IF NOT EXISTS events_job_kind ON events(job, kind, seq);
 CREATE TABLE IF NOT EXISTS offsets (
@@ -125,6 +125,7 @@ _ADDED_COLUMNS = (
     ("jobs", "job_id", "TEXT NOT NULL DEFAULT ''"),           # unique id (checkpoints/identity)
     ("checkpoints", "detail", "TEXT NOT NULL DEFAULT ''"),    # why skipped/corrupt/failed/...
     ("jobs", "leader", "TEXT NOT NULL DEFAULT ''"),           # etcd mode: who leads it now
+    ("jobs", "listed_seq", "INTEGER NOT NULL DEFAULT 0"),     # place in listings (job_pages)
 )
 
 # Checkpoint index phases (docs/architecture.md): what the workers reported or the store showed.
@@ -191,6 +192,9 @@ class Job:
     # etcd mode (daemon/job_leadership.py): the address of the daemon that leads the job now
     # when it is not this one ("" while this daemon leads it)
     leader: str = ""
+    # its place in listings (ListJobs pages, daemon/job_pages.py): 1 + the highest of the jobs
+    # stored before it, given at creation; never the wall clock, which may step back
+    listed_seq: int = 0
 
     @classmethod
     def from_row(cls, row: sqlite3.Row) -> Job:
@@ -263,12 +267,26 @@ class Store:
                 have = {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}
                 if column not in have:
                     self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
+            self._number_unlisted_jobs()
         except sqlite3.DatabaseError as e:  # not a database, damaged, read-only, locked
             raise StateError(
                 f"the state database {self.path} cannot be used ({e}); if another ds3dd uses "
                 "this --state-dir, stop it first; if the file is damaged or not ds3d's, move it "
                 "aside and start again (this daemon then knows no jobs: their folders stay in "
                 f"{self.path.parent / 'jobs'})") from None
+
+    def _number_unlisted_jobs(self) -> None:
+        """Jobs stored without a place in listings (by a ds3dd before `listed_seq`, or a row
+        written by hand) get theirs in the order it listed them, (created_at, name), after
+        every numbered job; then the index ListJobs reads."""
+        with self._tx() as db:
+            db.execute("DROP INDEX IF EXISTS jobs_listed")  # the (created_at, name) order's
+            top = db.execute("SELECT COALESCE(MAX(listed_seq), 0) FROM jobs").fetchone()[0]
+            unlisted = db.execute("SELECT name FROM jobs WHERE listed_seq <= 0 "
+                                  "ORDER BY created_at, name").fetchall()
+            db.executemany("UPDATE jobs SET listed_seq=? WHERE name=?",
+                           [(top + i, row[0]) for i, row in enumerate(unlisted, 1)])
+            db.execute("CREATE INDEX IF NOT EXISTS jobs_by_listed_seq ON jobs(listed_seq)")
 
     def close(self) -> None:
         with self._lock:
@@ -296,13 +314,16 @@ class Store:
     def create_job(self, name: str, config_json: str, node: str, run_dir: str,
                    message: str = "accepted", job_id: str = "") -> Job:
         """Stores a new PENDING job and its first event; AlreadyExistsError if the name is taken
-        (names are never reused: the job directory and its history keep the name)."""
+        (names are never reused: the job directory and its history keep the name). Its
+        `listed_seq` is one above every stored job's (jobs are never deleted, and the write lock
+        is held: no number is given twice), whatever the wall clock says."""
         now = time.time()
         with self._tx() as db:
             self._check_name_free(db, name)
             db.execute(
                 "INSERT INTO jobs (name, config_json, state, desired_state, node, run_dir, "
-                "created_at, updated_at, message, job_id) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                "created_at, updated_at, message, job_id, listed_seq) VALUES "
+                "(?,?,?,?,?,?,?,?,?,?,(SELECT COALESCE(MAX(listed_seq), 0) + 1 FROM jobs))",
                 (name, config_json, JobState.PENDING.value, JobState.RUNNING.value, node, run_dir,
                  now, now, message, job_id))
             self._insert_event(db, {"job": name, "time": now, "kind": EventKind.STATE, "node": node,
@@ -336,24 +357,24 @@ class Store:
 
     def list_jobs(self) -> list[Job]:
         with self._lock:
-            rows = self._db.execute("SELECT * FROM jobs ORDER BY created_at, name").fetchall()
+            rows = self._db.execute("SELECT * FROM jobs ORDER BY listed_seq").fetchall()
         return [Job.from_row(r) for r in rows]
 
-    def list_jobs_page(self, after: tuple[float, str] | None, limit: int,
+    def list_jobs_page(self, after_seq: int | None, limit: int,
                        include_finished: bool) -> list[Job]:
-        """At most `limit` jobs in listing order (created_at, then name) after the key `after`
-        (None: from the first), without the finished ones unless `include_finished`: one
-        ListJobs page read by its index, whatever the number of jobs stored."""
+        """At most `limit` jobs in listing order (`listed_seq`) after `after_seq` (None: from
+        the first), without the finished ones unless `include_finished`: one ListJobs page read
+        by its index, whatever the number of jobs stored."""
         where: list[str] = []
         params: list[Any] = []
-        if after is not None:
-            where.append("(created_at > ? OR (created_at = ? AND name > ?))")
-            params += [after[0], after[0], after[1]]
+        if after_seq is not None:
+            where.append("listed_seq > ?")
+            params.append(after_seq)
         if not include_finished:
             where.append(f"state NOT IN ({','.join('?' * len(TERMINAL))})")
             params += [s.value for s in TERMINAL]
         sql = ("SELECT * FROM jobs" + (" WHERE " + " AND ".join(where) if where else "")
-               + " ORDER BY created_at, name LIMIT ?")
+               + " ORDER BY listed_seq LIMIT ?")
         with self._lock:
             rows = self._db.execute(sql, (*params, limit)).fetchall()
         return [Job.from_row(r) for r in rows]

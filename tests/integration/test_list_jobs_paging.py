@@ -80,10 +80,13 @@ def test_hostile_paging_values(daemon):
     for size in (-1, -2**31):
         assert f"page_size={size}: use 0 (default 100) or more" in \
             _refused(daemon, pb.ListJobsRequest(include_finished=True, page_size=size))
-    for token in ("garbage", "jobs1.eyJ9", "\u0000" * 10, "jobs1." + "A" * 1_000_000):
+    for token in ("garbage", "jobs2.eyJ9", "\u0000" * 10, "jobs2." + "A" * 1_000_000,
+                  "jobs1." + "A" * 1_000_000):
         details = _refused(daemon, pb.ListJobsRequest(include_finished=True, page_token=token))
         assert "is not a ListJobs page token of this daemon: pass the next_page_token" in \
             details and len(details) < 400
+    assert "issued by an older ds3dd" in _refused(  # a (created_at, name) token
+        daemon, pb.ListJobsRequest(include_finished=True, page_token="jobs1.eyJ9"))
     issued = huge.next_page_token
     assert "issued for include_finished=True" in _refused(
         daemon, pb.ListJobsRequest(include_finished=False, page_token=issued))
@@ -108,3 +111,36 @@ def test_ds3dctl_lists_every_job(daemon):
     r = daemon.ctl("list", "--all", "--limit", "0")
     assert r.returncode == 2 and "'0' is not a whole number from 1" in r.stderr
     assert daemon.ctl("list").stdout.strip() == "no jobs"  # none is live
+
+
+def test_a_job_created_while_the_clock_is_behind_is_on_a_later_page(tmp_path):
+    """Was: a page token held the last job's creation time, so a job accepted while the wall
+    clock was behind that time (NTP stepping back, a VM restored from a snapshot) sorted
+    before the token and no later page held it. Jobs are written into the running daemon's
+    own store, one of them dated an hour back."""
+    state = tmp_path / "state"
+    state.mkdir()
+    store = Store(state / "ds3d.db")
+
+    def add(name: str, hours_back: float = 0) -> None:
+        store.create_job(name, build_job_config("tiny", name=name).dump_json(), "test-node",
+                         str(state / "jobs" / name))
+        store.transition(name, JobState.FAILED, "a finished trial")
+        with store._tx() as db:
+            db.execute("UPDATE jobs SET created_at = created_at - ? WHERE name=?",
+                       (hours_back * 3600, name))
+
+    try:
+        for name in ("j-a", "j-b", "j-c"):
+            add(name)
+        with DaemonProc(state, token=new_token()) as d:
+            first = _list(d, pb.ListJobsRequest(include_finished=True, page_size=2))
+            add("j-d", hours_back=1)
+            rest = _list(d, pb.ListJobsRequest(include_finished=True, page_size=2,
+                                               page_token=first.next_page_token))
+            assert [j.spec.name for j in [*first.jobs, *rest.jobs]] == \
+                ["j-a", "j-b", "j-c", "j-d"] and rest.next_page_token == ""
+            r = d.ctl("list", "--all", "--json")
+            assert [j["name"] for j in json.loads(r.stdout)] == ["j-a", "j-b", "j-c", "j-d"]
+    finally:
+        store.close()

@@ -1,11 +1,13 @@
-"""ListJobs paging (daemon/job_pages.py over the real store): pages in creation order, tokens
-that continue exactly where the last page ended while jobs are added, bounded answers, and
-tokens that are not this listing's refused with INVALID_ARGUMENT's ConfigError."""
+"""ListJobs paging (daemon/job_pages.py over the real store): pages in creation order, whatever
+the wall clock did, tokens that continue exactly where the last page ended while jobs are added,
+bounded answers, and tokens that are not this listing's refused with INVALID_ARGUMENT's
+ConfigError."""
 
 from __future__ import annotations
 
 import base64
 import json
+import sqlite3
 
 import pytest
 
@@ -18,7 +20,9 @@ from ds3d.daemon.job_pages import (
     JobKey,
     decode_token,
     encode_token,
+    own_key,
     page_size,
+    shared_key,
     take_page,
 )
 from ds3d.daemon.states import JobState
@@ -37,15 +41,15 @@ def store(tmp_path):
 
 
 def _key(job: Job) -> JobKey:
-    return JobKey(job.created_at, job.name)
+    return own_key(job.listed_seq, job.name)
 
 
 def _page(store: Store, token: str, size: int, include_finished: bool = True
           ) -> tuple[list[str], str]:
     """One ListJobs page as the servicer makes it from the store (no shared jobs)."""
     after = decode_token(token, include_finished)
-    rows = store.list_jobs_page(None if after is None else (after.created_at, after.name),
-                                page_size(size) + 1, include_finished)
+    rows = store.list_jobs_page(None if after is None else after.seq, page_size(size) + 1,
+                                include_finished)
     jobs, last = take_page(rows, _key, page_size(size), lambda j: 100)
     return [j.name for j in jobs], "" if last is None else encode_token(last, include_finished)
 
@@ -95,12 +99,53 @@ def test_jobs_created_while_paging_come_on_later_pages(store):
     assert added == 2  # pages: old0-3 | old4-7 | old8 old9 new0 new1
 
 
-def test_same_creation_time_is_ordered_by_name_across_pages(store):
-    for n in ("c", "a", "b", "d"):
+def _clock_steps_back(store: Store, name: str, seconds: float) -> None:
+    """`name` stored as if the wall clock had been `seconds` behind when it was created."""
+    with store._tx() as db:
+        db.execute("UPDATE jobs SET created_at = created_at - ? WHERE name=?", (seconds, name))
+
+
+def test_a_job_created_after_the_clock_stepped_back_is_not_skipped(store):
+    """Was: pages were keyed by (created_at, name), so a job created while a client paged, at
+    a time the clock put before the token's job (NTP stepping back, a VM restored), sorted
+    before the token and no page ever held it."""
+    for n in ("a", "b", "c"):
         store.create_job(n, "{}", "n1", "/x")
-    with store._tx() as db:  # a clock that did not move between them
-        db.execute("UPDATE jobs SET created_at = 1000.0")
-    assert _all_pages(store, 1) == ["a", "b", "c", "d"]
+    seen, token = _page(store, "", 2)
+    assert seen == ["a", "b"] and token
+    store.create_job("d", "{}", "n1", "/x")
+    _clock_steps_back(store, "d", 3600)
+    store.create_job("0-also-early", "{}", "n1", "/x")  # and a name that sorts first
+    _clock_steps_back(store, "0-also-early", 7200)
+    while token:
+        more, token = _page(store, token, 2)
+        seen += more
+    assert seen == ["a", "b", "c", "d", "0-also-early"]  # each once, in the order created
+    assert [j.name for j in store.list_jobs()] == seen
+
+
+def test_jobs_of_an_older_store_are_numbered_in_the_order_it_listed_them(tmp_path):
+    """A state database of a ds3dd before `listed_seq`: at the next start its jobs get their
+    places in its (created_at, name) order, and new jobs come after them."""
+    path = tmp_path / "ds3d.db"
+    old = Store(path)
+    for n in ("b", "a", "c"):
+        old.create_job(n, "{}", "n1", "/x")
+    old.close()
+    db = sqlite3.connect(path)
+    db.execute("DROP INDEX jobs_by_listed_seq")
+    db.execute("ALTER TABLE jobs DROP COLUMN listed_seq")
+    db.execute("UPDATE jobs SET created_at = 1000.0 WHERE name IN ('a', 'b')")  # same time
+    db.commit()
+    db.close()
+    store = Store(path)
+    try:
+        store.create_job("d", "{}", "n1", "/x")
+        assert [(j.name, j.listed_seq) for j in store.list_jobs()] == [
+            ("a", 1), ("b", 2), ("c", 3), ("d", 4)]
+        assert _all_pages(store, 1) == ["a", "b", "c", "d"]
+    finally:
+        store.close()
 
 
 def test_without_finished_jobs(store):
@@ -112,8 +157,13 @@ def test_without_finished_jobs(store):
     assert _all_pages(store, 2, include_finished=True) == ["a", "b", "c", "d", "e"]
 
 
+def test_shared_jobs_come_after_the_daemons_own():
+    assert own_key(10**9, "zzz") < shared_key("aaa") < shared_key("bbb")
+    assert decode_token(encode_token(shared_key("job-x"), False), False) == shared_key("job-x")
+
+
 def test_answer_is_cut_at_the_byte_budget_and_continues():
-    keys = [JobKey(float(i), f"j{i}") for i in range(10)]
+    keys = [own_key(i, f"j{i}") for i in range(10)]
     big = PAGE_MAX_BYTES // 3
     page, last = take_page(keys, lambda k: k, 10, lambda k: big)
     assert page == keys[:2] and last == keys[1]  # 3 x (1/3 + overhead) does not fit
@@ -130,33 +180,43 @@ def test_real_job_statuses_stay_under_a_grpc_client_limit(store, tmp_path):
         store.transition(n, JobState.FAILED, "worker exited 1: " + "x" * 1500)
     rows = store.list_jobs_page(None, MAX_PAGE_SIZE + 1, True)
     protos = [job_to_proto(j) for j in rows]
-    jobs, last = take_page(protos, lambda j: JobKey(j.created_at, j.spec.name), MAX_PAGE_SIZE,
-                           pb.JobStatus.ByteSize)
+    by_name = {j.name: j.listed_seq for j in rows}
+    jobs, last = take_page(protos, lambda j: own_key(by_name[j.spec.name], j.spec.name),
+                           MAX_PAGE_SIZE, pb.JobStatus.ByteSize)
     answer = pb.ListJobsResponse(jobs=jobs, next_page_token=encode_token(last, True))
     assert last is not None and 0 < len(jobs) < MAX_PAGE_SIZE  # cut by bytes, not count
     assert answer.ByteSize() <= PAGE_MAX_BYTES + 200 < 4 << 20
 
 
 def test_token_round_trip_and_foreign_tokens():
-    key = JobKey(1764968000.123456, "sweep-00042")
+    key = own_key(42, "sweep-00042")
     assert decode_token(encode_token(key, True), True) == key
     assert decode_token("", False) is None
     with pytest.raises(ConfigError, match="issued for include_finished=True"):
         decode_token(encode_token(key, True), False)
 
     def forged(payload: object) -> str:
-        return "jobs1." + base64.urlsafe_b64encode(json.dumps(payload).encode()).decode()
+        return "jobs2." + base64.urlsafe_b64encode(json.dumps(payload).encode()).decode()
 
-    hostile = ["garbage", "jobs1.", "jobs1.!!!!", "jobs1." + "A" * 5000, "jobs1.e30=",
-               forged([True, 1.0]), forged([1, 1.0, "a"]), forged([True, "1", "a"]),
-               forged([True, True, "a"]), forged([True, 1.0, "../../etc"]),
-               forged({"after": 1}), "jobs1." + base64.urlsafe_b64encode(b"\xff\xfe").decode(),
-               "jobs1." + base64.urlsafe_b64encode(b"[true, NaN, \"a\"]").decode(),
+    hostile = ["garbage", "jobs2.", "jobs2.!!!!", "jobs2." + "A" * 5000, "jobs2.e30=",
+               forged([True, False, 1]), forged([1, False, 1, "a"]),
+               forged([True, False, "1", "a"]), forged([True, False, True, "a"]),
+               forged([True, False, 1.5, "a"]), forged([True, False, -1, "a"]),
+               forged([True, False, 2**63, "a"]), forged([True, True, 5, "a"]),
+               forged([True, 0, 1, "a"]), forged([True, False, 1, "../../etc"]),
+               forged({"after": 1}), "jobs2." + base64.urlsafe_b64encode(b"\xff\xfe").decode(),
+               "jobs2." + base64.urlsafe_b64encode(b"[true, false, NaN, \"a\"]").decode(),
                encode_token(key, True)[:-3], encode_token(key, True) + "\n"]
     for token in hostile:
         with pytest.raises(ConfigError, match="is not a ListJobs page token of this daemon: "
                                               "pass the next_page_token"):
             decode_token(token, True)
+
+
+def test_a_token_of_the_creation_time_listing_says_to_start_again():
+    old = "jobs1." + base64.urlsafe_b64encode(b'[true,1764968000.1,"a"]').decode()
+    with pytest.raises(ConfigError, match="issued by an older ds3dd .* start again without"):
+        decode_token(old, True)
 
 
 def test_long_token_is_shown_shortened():
