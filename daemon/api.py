@@ -128,7 +128,8 @@ def job_to_proto(job: Job, split: dict[str, Any] | None = None) -> pb.JobStatus:
         last_checkpoint_step=job.last_ckpt_step, created_at=job.created_at,
         updated_at=job.updated_at, message=job.message, node=job.node, run_dir=job.run_dir,
         world_size=job.world_size, stage_boundaries=boundaries,
-        partition_source=source, step_split=split_to_proto(split))
+        partition_source=source, step_split=split_to_proto(split),
+        memory_snapshot_step=job.memory_snapshot_step)
 
 
 def plan_to_proto(pred: Prediction) -> pb.PartitionPlan:

@@ -329,6 +329,7 @@ def job_dict(j: pb.JobStatus) -> dict[str, Any]:
         "step": j.step, "total_steps": j.spec.total_steps,
         "loss": None if math.isnan(j.loss) else j.loss, "tokens_per_s": j.tokens_per_s,
         "eta_s": j.eta_s, "restarts": j.restarts, "last_checkpoint_step": j.last_checkpoint_step,
+        "memory_snapshot_step": j.memory_snapshot_step,
         "layout": {"tp": j.spec.tp, "pp": j.spec.pp, "dp": j.spec.dp,
                    "zero_stage": j.spec.zero_stage, "nnodes": j.spec.nnodes},
         "world_size": j.world_size, "message": j.message, "node": j.node, "run_dir": j.run_dir,
@@ -563,6 +564,9 @@ def run(args: argparse.Namespace, out: Any = sys.stdout) -> int:
             print(job_table(jobs) if jobs else "no jobs", file=out)
             if interval is not None:
                 print(f"\n{interval.message} (as of step {interval.step})", file=out)
+            if c == "status" and args.job and jobs[0].memory_snapshot_step >= 0:
+                print(f"\nnewest memory-only snapshot: step {jobs[0].memory_snapshot_step} (held "
+                      "in memory only, no files)", file=out)
             if c == "status" and args.job and jobs[0].HasField("step_split"):
                 print("\n" + split_text(jobs[0].step_split), file=out)
     elif c == "events":

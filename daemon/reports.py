@@ -12,7 +12,11 @@ without a file: harmless). A restarted daemon resumes every remaining segment fr
 offset; a segment it has no row for is read from its start.
 
 Heartbeats are not stored (one per rank per step would dwarf everything else); their times are
-kept in memory for the hang detector, which restarts its clock after a daemon restart.
+kept in memory for the hang detector, which restarts its clock after a daemon restart. Of the
+memory-only snapshots (`held_in_memory`, possibly one every few steps for weeks) only the first
+of each worker group is an event, which says they are being taken and what one blocks; each one
+sets the job's `memory_snapshot_step` (`ds3dctl status`). A restarted daemon stores the next one
+it reads as an event again: it does not know whether the group's first was stored.
 """
 
 from __future__ import annotations
@@ -220,6 +224,7 @@ class ReportTail:
         self.jobdir = jobdir
         self.ckpt_dir = ckpt_dir or jobdir.ckpt
         self.last_seen: dict[int, float] = {}
+        self._group_has_held = False  # a held_in_memory event of the current group is stored
 
     def poll(self) -> Observation:
         name = self.jobdir.name
@@ -245,13 +250,23 @@ class ReportTail:
         for rec in obs.records:
             self.last_seen[int(rec.get("rank", -1))] = now
             ev = record_to_event(rec)
-            if ev is not None:
+            if ev is not None and not self._routine_snapshot(rec):
                 events.append(ev)
             ckpts += self._checkpoint_rows(rec, ev)
         self.store.ingest(name, new_offsets, events, ckpts, **figures)
         self._drop_read_segments(files, {**offsets, **new_offsets})
         obs.last_seen = dict(self.last_seen)
         return obs
+
+    def _routine_snapshot(self, rec: dict[str, Any]) -> bool:
+        """A `held_in_memory` record after the first of its worker group (a rank-0 `start`
+        begins a group): a figure of the job, not an event (module docstring)."""
+        if rec.get("kind") == RecordKind.START and rec.get("rank", 0) == 0:
+            self._group_has_held = False
+        if rec.get("kind") != RecordKind.CHECKPOINT or rec.get("phase") != "held_in_memory":
+            return False
+        routine, self._group_has_held = self._group_has_held, True
+        return routine
 
     def _checkpoint_rows(self, rec: dict[str, Any], ev: dict[str, Any] | None,
                          ) -> list[dict[str, Any]]:
@@ -330,6 +345,10 @@ class ReportTail:
                 out.setdefault("step", int(rec.get("step", 0) or 0))
             elif kind == RecordKind.CHECKPOINT and rec.get("phase") in ("saved", "committed"):
                 out["last_ckpt_step"] = max(out.get("last_ckpt_step", -1), int(rec["step"]))
+            elif kind == RecordKind.CHECKPOINT and rec.get("phase") == "held_in_memory" and \
+                    isinstance(rec.get("step"), int):
+                # the newest, not the largest: after a rollback the steps start lower again
+                out["memory_snapshot_step"] = rec["step"]
             elif kind == RecordKind.DONE:
                 out["done_reason"] = str(rec.get("reason", ""))
             elif kind == RecordKind.COMMAND and rec.get("status") == "done":

@@ -74,7 +74,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     next_launch_at REAL NOT NULL DEFAULT 0,
     job_id TEXT NOT NULL DEFAULT '',
     leader TEXT NOT NULL DEFAULT '',
-    listed_seq INTEGER NOT NULL DEFAULT 0
+    listed_seq INTEGER NOT NULL DEFAULT 0,
+    memory_snapshot_step INTEGER NOT NULL DEFAULT -1
 );
 CREATE TABLE IF NOT EXISTS transitions (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -126,6 +127,7 @@ _ADDED_COLUMNS = (
     ("checkpoints", "detail", "TEXT NOT NULL DEFAULT ''"),    # why skipped/corrupt/failed/...
     ("jobs", "leader", "TEXT NOT NULL DEFAULT ''"),           # etcd mode: who leads it now
     ("jobs", "listed_seq", "INTEGER NOT NULL DEFAULT 0"),     # place in listings (job_pages)
+    ("jobs", "memory_snapshot_step", "INTEGER NOT NULL DEFAULT -1"),  # newest held_in_memory
 )
 
 # Checkpoint index phases (docs/architecture.md): what the workers reported or the store showed.
@@ -153,6 +155,7 @@ _MUTABLE = {
     "restarts", "attempt", "last_ckpt_step", "agent_pid", "agent_started", "rdzv_pid",
     "rdzv_started", "rdzv_port", "command_id", "command_action", "command_acked",
     "rollback_step", "done_reason", "next_launch_at", "leader", "config_json",
+    "memory_snapshot_step",
 }
 
 
@@ -195,6 +198,9 @@ class Job:
     # its place in listings (ListJobs pages, daemon/job_pages.py): 1 + the highest of the jobs
     # stored before it, given at creation; never the wall clock, which may step back
     listed_seq: int = 0
+    # the step of the newest memory-only snapshot rank 0 reported (checkpoint.memory_interval;
+    # -1: none): each one's figure, as only the first of a worker group is an event (reports.py)
+    memory_snapshot_step: int = -1
 
     @classmethod
     def from_row(cls, row: sqlite3.Row) -> Job:
