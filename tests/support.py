@@ -48,10 +48,16 @@ def torchrun(run_dir: Path, nproc: int, config: str = "tiny", sets: list[str] | 
                              # leaves no lock for others
                              extensions_dir=str(run_dir / "torch_extensions"),
                              warm_extensions_dir=os.environ.get("TORCH_EXTENSIONS_DIR")).write(spec_file)
-        proc = subprocess.run([sys.executable, "-m", "ds3d.daemon.agent", "--spec",
-                               str(spec_file)],
-                              env=worker_env(DS3D_RUN_DIR=str(run_dir), **(env or {})),
-                              capture_output=True, text=True, timeout=timeout)
+        # the agent's output to files, not pipes: the forkserver and multiprocessing's
+        # resource tracker inherit them and hold a pipe open ~0.7 s after the agent exited,
+        # which a pipe's reader waits out (at every run of every test)
+        out, err = control / "torchrun-agent.stdout", control / "torchrun-agent.stderr"
+        with open(out, "w") as out_fh, open(err, "w") as err_fh:
+            proc = subprocess.run([sys.executable, "-m", "ds3d.daemon.agent", "--spec",
+                                   str(spec_file)],
+                                  env=worker_env(DS3D_RUN_DIR=str(run_dir), **(env or {})),
+                                  stdout=out_fh, stderr=err_fh, text=True, timeout=timeout)
+        proc.stdout, proc.stderr = (f.read_text(errors="replace") for f in (out, err))
     logs_by_rank = {f.relative_to(logs).as_posix(): f.read_text(errors="replace")
                     for f in sorted(logs.glob("**/std*.log"))}
     (run_dir / "torchrun.log").write_text(proc.stdout + proc.stderr +

@@ -337,7 +337,25 @@ def _kill_tree(pid: int) -> None:
             p.kill()
         except psutil.NoSuchProcess:
             pass
-    psutil.wait_procs(procs, timeout=10)
+    _wait_ended(procs, timeout_s=10)
+
+
+def _wait_ended(procs: list, timeout_s: float) -> None:
+    """Until every process in `procs` has exited: gone, or a zombie. psutil.wait_procs also
+    waits for a zombie to be reaped, and one whose parent (a stopped ds3dd) is gone waits for
+    the init process, which on the CI VM reaps only every second or two: that was ~1.5 s of
+    every daemon test's teardown."""
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        while time.monotonic() < deadline:
+            try:
+                if not p.is_running() or p.status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.02)
 
 
 def worker_procs(run_dir: str | Path) -> list[int]:
