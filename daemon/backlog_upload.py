@@ -40,7 +40,8 @@ from .logging import get_logger
 
 # markers whose upload will never be retried (checkpoints/upload.py `Uploader._process`)
 _GIVEN_UP = ("abandoned:", "local files unreadable:")
-RETRY_S, MAX_RETRY_S = 2.0, 30.0  # first retry after a failed attempt, then doubling up to this
+# first retry after a failed attempt, then doubling up to MAX_RETRY_S (ds3dd --backlog-retry-max)
+RETRY_S, MAX_RETRY_S = 2.0, 30.0
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,8 @@ class BacklogUpload:
 
     @classmethod
     def start_if_needed(cls, cfg: JobConfig, job_id: str, run_dir: Path, local_dir: Path,
-                        restart: int = 0, remote_commit: bool = False) -> BacklogUpload | None:
+                        restart: int = 0, remote_commit: bool = False,
+                        max_retry_s: float = MAX_RETRY_S) -> BacklogUpload | None:
         """A running backlog upload, or None when this node has nothing left to upload and,
         with `remote_commit` (the node that decides the job's end), its newest checkpoint is
         not one whose commit another node still owes (awaiting_commit, checked against the
@@ -145,7 +147,7 @@ class BacklogUpload:
         if not found and not remote:
             return None
         return cls(cfg, job_id, run_dir, local_dir, restart, storage=storage,
-                   remote_steps=tuple(remote))
+                   max_retry_s=max_retry_s, remote_steps=tuple(remote))
 
     def not_durable(self) -> list[int]:
         """Steps of this backlog (not abandoned) whose MANIFEST the store does not hold: with

@@ -26,6 +26,7 @@ from pathlib import Path
 from ds3d.trainer.errors import Ds3dError
 
 from .auth import peer_auth, read_token, tls_files
+from .backlog_upload import MAX_RETRY_S, RETRY_S
 from .launcher import WORKER_MODULE
 from .logging import configure, get_logger
 
@@ -39,6 +40,16 @@ def _seconds(text: str) -> float:
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0")
     return value
+
+
+def _seconds_from(low: float) -> Callable[[str], float]:
+    """A duration flag of at least `low` seconds (finite; argparse then exits 2 with it)."""
+    def parse(text: str) -> float:
+        value = _seconds(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{text!r} is below {low:g} s")
+        return value
+    return parse
 
 
 def _bounded_int(low: int, high: int, unit: str) -> Callable[[str], int]:
@@ -91,6 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds a worker group may take from its launch to its first `start` "
                     "record (imports, rendezvous, DeepSpeed's op build, restore) before it is a "
                     "startup_timeout fault that names any build lock it waits on; default 600")
+    ap.add_argument("--backlog-retry-max", type=_seconds_from(RETRY_S), default=MAX_RETRY_S,
+                    help="longest wait, in seconds, between two attempts to upload a checkpoint "
+                    "the exited workers left on the local tier during a store outage (the first "
+                    f"retry comes after {RETRY_S:g} s, doubling up to this); default "
+                    f"{MAX_RETRY_S:g}")
     ap.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     ap.add_argument("--log-max-mb", type=_bounded_int(1, 1 << 20, "MiB"), default=100,
                     help="STATE_DIR/ds3dd.log is rotated when it reaches this size (MiB); "
@@ -130,6 +146,7 @@ def main(argv: list[str] | None = None) -> None:
             rdzv_host=args.rdzv_host, worker_module=args.worker_module, node_addr=args.node_addr,
             hang_timeout_s=args.hang_timeout, start_timeout_s=args.start_timeout,
             enable_fault_injection=args.enable_fault_injection, events_kept=args.events_kept,
+            backlog_retry_max_s=args.backlog_retry_max,
             report_gpu_memory=parse_size(args.report_gpu_memory)
             if args.report_gpu_memory else None)
         daemon = Daemon(opts)

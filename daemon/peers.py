@@ -46,7 +46,7 @@ from ds3d.v1 import control_pb2 as pb
 from ds3d.v1 import control_pb2_grpc as pb_grpc
 
 from .auth import TlsFiles, is_local_address
-from .backlog_upload import BacklogUpload
+from .backlog_upload import MAX_RETRY_S, BacklogUpload
 from .errors import ANSWERED_BY
 from .jobdir import JobDir
 from .launcher import AgentHandle, Launcher, kill_strays
@@ -244,10 +244,12 @@ class Shares:
     """Agents this node runs for jobs whose head is another node."""
 
     def __init__(self, shares_root: Path, launcher: Launcher,
-                 enable_fault_injection: bool = False) -> None:
+                 enable_fault_injection: bool = False,
+                 backlog_retry_max_s: float = MAX_RETRY_S) -> None:
         self.root = shares_root
         self.launcher = launcher
         self.enable_fault_injection = enable_fault_injection
+        self.backlog_retry_max_s = backlog_retry_max_s  # ds3dd --backlog-retry-max
         self._agents: dict[str, AgentHandle] = {}
         self._run_ids: dict[str, str] = {}  # job -> run id of the attempt last started here
         # job -> (its run ids' prefix, the highest leader token seen): etcd mode's fencing
@@ -541,7 +543,8 @@ class Shares:
             cfg = JobConfig.model_validate_json(jobdir.job_json.read_text())
             local = Path(cfg.checkpoint.local_dir) if cfg.checkpoint.local_dir else jobdir.ckpt
             backlog = BacklogUpload.start_if_needed(cfg, local_job_id(jobdir.path) or "",
-                                                    jobdir.path, local)
+                                                    jobdir.path, local,
+                                                    max_retry_s=self.backlog_retry_max_s)
         except (Ds3dError, OSError, ValueError) as e:
             log.warning("share backlog not uploaded", job=name, error=str(e))
             return

@@ -28,6 +28,7 @@ from ds3d.v1 import control_pb2_grpc as pb_grpc
 
 from .api import ControlServicer
 from .auth import AuthInterceptor, PeerAuth, TlsFiles, check_listen_policy
+from .backlog_upload import MAX_RETRY_S
 from .errors import ErrorInterceptor
 from .fit_check import node_resources
 from .job_detectors import standard_detectors
@@ -66,6 +67,7 @@ class DaemonOptions:
     report_gpu_memory: int | None = None  # bytes of one GPU, instead of nvidia-smi's (tests)
     node_addr: str | None = None
     events_kept: int = EVENTS_KEPT  # newest step/checkpoint events per job and kind (store.py)
+    backlog_retry_max_s: float = MAX_RETRY_S  # longest wait between backlog upload attempts
 
 
 def check_listen_address(listen: str) -> None:
@@ -126,9 +128,10 @@ class Daemon:
             store=self.store, launcher=launcher, metrics=self.metrics, jobs_root=jobs_root,
             node=opts.node, rdzv_host=opts.rdzv_host, peers=peers,
             detectors=standard_detectors(opts.hang_timeout_s, opts.start_timeout_s),
-            restart_policy=restart_policy_for))
+            restart_policy=restart_policy_for, backlog_retry_max_s=opts.backlog_retry_max_s))
         self.shares = Shares(opts.state_dir / "shares", launcher,
-                             enable_fault_injection=opts.enable_fault_injection)
+                             enable_fault_injection=opts.enable_fault_injection,
+                             backlog_retry_max_s=opts.backlog_retry_max_s)
         self.peers = peers
         self.service = JobService(self.store, self.supervisors, jobs_root, opts.node,
                                   peers=peers,

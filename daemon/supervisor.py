@@ -36,7 +36,7 @@ from ds3d.trainer.config import JobConfig
 from ds3d.trainer.errors import Ds3dError
 from ds3d.trainer.kinds import DoneReason, EventKind, RecordKind
 
-from .backlog_upload import BacklogUpload, local_backlog
+from .backlog_upload import MAX_RETRY_S, BacklogUpload, local_backlog
 from .ckpt_index import IndexReconciler
 from .commands import Action, Command
 from .decisions import END_STATES, Handler, done_reason, handler_for
@@ -80,6 +80,7 @@ class SupervisorContext:
     interval_s: float = 0.5
     stop_now_grace_s: float = 5.0
     peer_finish_timeout_s: float = 120.0
+    backlog_retry_max_s: float = MAX_RETRY_S  # ds3dd --backlog-retry-max
     address: str = ""  # this daemon's gRPC address (its name as an etcd-mode job's leader)
     # etcd-mode jobs taken over by this daemon: the lease it already holds, by job name
     leaderships: dict[str, Leadership] = field(default_factory=dict)
@@ -366,9 +367,9 @@ class JobSupervisor:
             cfg = self._config(job)
             # remote_commit: also a final checkpoint whose parts are uploaded here and whose
             # commit the node of rank 0 still owes (awaiting_commit)
-            self.backlog = BacklogUpload.start_if_needed(cfg, job.job_id, self.jobdir.path,
-                                                         self._local_dir(job), job.restarts,
-                                                         remote_commit=True)
+            self.backlog = BacklogUpload.start_if_needed(
+                cfg, job.job_id, self.jobdir.path, self._local_dir(job), job.restarts,
+                remote_commit=True, max_retry_s=self.ctx.backlog_retry_max_s)
             if self.backlog is None:
                 return True
             self.store.record(self.name, EventKind.CHECKPOINT,

@@ -30,6 +30,10 @@ pytestmark = [pytest.mark.rgw, pytest.mark.slow, pytest.mark.timeout(600)]
 # the outage begins at the first commit, before the job's next step (frozen workers): the
 # checkpoints of steps 60 and 90 are left to the backlog
 STEPS, INTERVAL = 90, 30
+# ds3dd's backlog retries back off up to this (--backlog-retry-max, default 30 s): once the
+# gateway is back, the next attempt comes within it
+RETRY_MAX_S = 4.0
+DAEMON_ARGS = ["--backlog-retry-max", str(RETRY_MAX_S)]
 
 
 def _manifest_exists(client: Any, bucket: str, step: int, name: str = "bk") -> bool:
@@ -67,7 +71,7 @@ def test_backlog_is_uploaded_by_the_daemon_after_the_workers_exit(
         rgw_cluster: Any, rgw_server: Any, rgw_bucket: str, make_rgw_storage: Any,
         tmp_path: Path) -> None:
     env = {**rgw_server.env(), "DS3D_S3_MAX_ATTEMPTS": "1", "DS3D_S3_OUTAGE_RETRIES": "1"}
-    d = DaemonProc(tmp_path / "state", extra_env=env)
+    d = DaemonProc(tmp_path / "state", extra_env=env, args=DAEMON_ARGS)
     with d:
         r = d.ctl("start", "tiny", "--name", "bk", "--tp", "2", "--steps", str(STEPS),
                   "--set", f"checkpoint.interval={INTERVAL}",
@@ -126,7 +130,7 @@ def test_each_node_uploads_its_ranks_and_rank_0s_node_commits(
     env = {**rgw_server.env(), "DS3D_S3_MAX_ATTEMPTS": "1", "DS3D_S3_OUTAGE_RETRIES": "1"}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    with loopback_nodes(tmp_path) as (a, b):
+    with loopback_nodes(tmp_path, *DAEMON_ARGS) as (a, b):
         r = a.ctl("start", "tiny", "--name", "mb", "--dp", "2", "--steps", str(STEPS),
                   "--hosts", f"{a.addr},{b.addr}",
                   "--set", f"checkpoint.interval={INTERVAL}",
@@ -179,7 +183,7 @@ def test_a_restarted_share_daemon_resumes_its_backlog(
     env = {**rgw_server.env(), "DS3D_S3_MAX_ATTEMPTS": "1", "DS3D_S3_OUTAGE_RETRIES": "1"}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    with loopback_nodes(tmp_path) as (a, b):
+    with loopback_nodes(tmp_path, *DAEMON_ARGS) as (a, b):
         r = a.ctl("start", "tiny", "--name", "rs", "--dp", "2", "--steps", str(STEPS),
                   "--hosts", f"{a.addr},{b.addr}",
                   "--set", f"checkpoint.interval={INTERVAL}",
@@ -247,7 +251,7 @@ def test_stop_now_does_not_wait_and_names_the_local_only_steps(
     """`stop --now` while the daemon waits for the store ends the job STOPPED at once; its
     message names the checkpoints left only on the local tier."""
     env = {**rgw_server.env(), "DS3D_S3_MAX_ATTEMPTS": "1", "DS3D_S3_OUTAGE_RETRIES": "1"}
-    with DaemonProc(tmp_path / "state", extra_env=env) as d:
+    with DaemonProc(tmp_path / "state", extra_env=env, args=DAEMON_ARGS) as d:
         r = d.ctl("start", "tiny", "--name", "sn", "--steps", str(STEPS),
                   "--set", f"checkpoint.interval={INTERVAL}",
                   "--set", "checkpoint.store_wait_s=2",
@@ -274,11 +278,11 @@ def test_stop_now_ends_the_share_nodes_backlog_too(
     """DP 2 with rank 0 on the share node B: `stop --now` while both nodes wait for the store
     ends the job STOPPED, and B's ds3dd stops uploading too (StopShare closes its backlog):
     once the gateway is back, no part of the outage's steps comes from B within more than the
-    longest retry interval (30 s)."""
+    longest retry interval (RETRY_MAX_S)."""
     env = {**rgw_server.env(), "DS3D_S3_MAX_ATTEMPTS": "1", "DS3D_S3_OUTAGE_RETRIES": "1"}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    with loopback_nodes(tmp_path) as (a, b):
+    with loopback_nodes(tmp_path, *DAEMON_ARGS) as (a, b):
         r = a.ctl("start", "tiny", "--name", "ss", "--dp", "2", "--steps", str(STEPS),
                   "--hosts", f"{a.addr},{b.addr}",
                   "--set", f"checkpoint.interval={INTERVAL}",
@@ -308,7 +312,8 @@ def test_stop_now_ends_the_share_nodes_backlog_too(
             while not (share_dir / "control" / "share-stopped.json").is_file():
                 assert time.monotonic() < deadline, "B was not told the job ended"
                 time.sleep(0.2)
-        time.sleep(40.0)  # B's backlog, were it still running, retries within 30 s
+        # B's backlog, were it still running, retries within RETRY_MAX_S (and 10 s to upload)
+        time.sleep(RETRY_MAX_S + 10.0)
         for step in range(2 * INTERVAL, STEPS + 1, INTERVAL):  # those of the outage
             part = f"jobs/ss/{layout.part_key(step, 0)}"
             assert not client.list_objects_v2(Bucket=rgw_bucket, Prefix=part).get("KeyCount"), \

@@ -51,6 +51,32 @@ def test_retries_back_off_up_to_the_limit(tmp_path: Path) -> None:
         backing.close()
 
 
+def test_the_backlog_retry_limit_is_a_checked_daemon_flag(tmp_path: Path, capsys) -> None:
+    """ds3dd --backlog-retry-max: the backlog's uploaders back off up to it (default 30 s);
+    below the first retry's 2 s, or not a number, ds3dd refuses to start (exit code 2)."""
+    from ds3d.daemon import main as ds3dd_main
+    from ds3d.daemon.backlog_upload import MAX_RETRY_S, BacklogUpload
+    from ds3d.trainer.config import build_job_config
+
+    parse = ds3dd_main.build_parser().parse_args
+    assert parse([]).backlog_retry_max == MAX_RETRY_S == 30.0
+    assert parse(["--backlog-retry-max", "5"]).backlog_retry_max == 5.0
+    for bad, why in (("1", "is below 2 s"), ("x", "is not a number of seconds above 0")):
+        with pytest.raises(SystemExit) as exc:
+            ds3dd_main.main(["--state-dir", str(tmp_path / "s"), "--backlog-retry-max", bad])
+        assert exc.value.code == 2
+        assert f"--backlog-retry-max: {bad!r} {why}" in capsys.readouterr().err
+    local = tmp_path / "local"
+    write_marker(local, 10, 0, "failed", ["global_step10/x.pt"], META, error="store down")
+    cfg = build_job_config("tiny", [f'checkpoint.store="file://{tmp_path}/st"'], name="j")
+    backlog = BacklogUpload.start_if_needed(cfg, "id", tmp_path / "run", local, max_retry_s=5.0)
+    assert backlog is not None
+    try:
+        assert [up.max_retry_interval for up in backlog._uploaders] == [5.0]
+    finally:
+        backlog.close()
+
+
 def test_the_head_waits_for_a_commit_another_node_owes(tmp_path: Path) -> None:
     """A head whose newest step's part is uploaded, with rank 0 (the committer) on another
     node, has nothing to upload but must not end the job before that step's MANIFEST is in
