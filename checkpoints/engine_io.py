@@ -52,7 +52,7 @@ from .reshape import check_reshapable, convert_to_universal, needs_reshape
 from .settings import CheckpointSettings
 from .snapshot import HeldSnapshot, SnapshotCheckpointEngine
 from .storage import Storage, job_store_url, open_storage
-from .upload import Uploader, UploadEvent
+from .upload import Uploader, UploadEvent, retry_interval_from_env
 
 log = structlog.get_logger("ds3d.checkpoints")
 
@@ -122,6 +122,7 @@ class CheckpointManager:
         self.catalog = Catalog(self.storage, self.local_dir, job_id=self.job_id,
                                on_skip=self._on_skip)
         self.uploader = Uploader(self.storage, self.local_dir, me.rank, me.world_size,
+                                 retry_interval=retry_interval_from_env(),
                                  on_event=self._on_upload_event)
         self.node = self._node_arena()
         # memory-only snapshots between durable saves (`save(memory_only=True)`): two arena

@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import queue
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,7 +49,7 @@ from pydantic import ValidationError
 from . import layout
 from .deepspeed_latest import refresh_local_latest, write_store_latest
 from .disk_space import is_disk_full
-from .errors import CheckpointError, Ds3dError, NotFoundError
+from .errors import CheckpointError, ConfigError, Ds3dError, NotFoundError
 from .hashing_writer import WrittenSave
 from .identity import ForeignPrefixError, manifest_is_mine
 from .local_complete import read_record, remove_record, write_record
@@ -298,6 +299,28 @@ def _why_not_waited(job: _Job) -> str | None:
         return (f"rank(s) {job.parts_gone} of the same world have no files of it (their "
                 "process ended before writing them), so their parts will never come")
     return None
+
+
+# A worker's failed upload is attempted again this many seconds later; a node-wide setting in
+# ds3dd's environment (its workers inherit it), which ds3dd checks at its start.
+RETRY_ENV, DEFAULT_RETRY_S, LEAST_RETRY_S = "DS3D_UPLOAD_RETRY_S", 30.0, 1.0
+
+
+def retry_interval_from_env(environ: Mapping[str, str] | None = None) -> float:
+    """The workers' retry interval (RETRY_ENV, else DEFAULT_RETRY_S): how soon after a store
+    outage ends the uploads go on, and so how long a job that ended during one waits beyond it.
+    A value that is not a number of seconds from LEAST_RETRY_S is a ConfigError naming it."""
+    raw = (os.environ if environ is None else environ).get(RETRY_ENV, "").strip()
+    if not raw:
+        return DEFAULT_RETRY_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= LEAST_RETRY_S):
+        raise ConfigError(f"{RETRY_ENV}={raw!r}: expected a number of seconds, at least "
+                          f"{LEAST_RETRY_S:g} (default {DEFAULT_RETRY_S:g})")
+    return value
 
 
 class Uploader:

@@ -23,6 +23,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from ds3d.checkpoints.upload import retry_interval_from_env
 from ds3d.trainer.errors import Ds3dError
 
 from .auth import peer_auth, read_token, tls_files
@@ -137,6 +138,7 @@ def main(argv: list[str] | None = None) -> None:
         from .fit_check import parse_size
         from .server import Daemon, DaemonOptions
 
+        retry_interval_from_env()  # the workers' DS3D_UPLOAD_RETRY_S, checked before any runs
         token = read_token(args.token_file) if args.token_file else None
         tls = tls_files(args.tls_cert, args.tls_key, args.tls_ca)
         opts = DaemonOptions(

@@ -40,7 +40,10 @@ def rank0_steps(run_dir: Path) -> int:
 
 def test_outage_at_the_end_completes_without_restart(
         rgw_cluster: Any, rgw_server: Any, rgw_bucket: str, tmp_path: Path) -> None:
-    env = {**rgw_server.env(), "DS3D_S3_MAX_ATTEMPTS": "1", "DS3D_S3_OUTAGE_RETRIES": "1"}
+    # the workers retry a failed upload every 2 s (default 30): the final commit follows the
+    # gateway's return within seconds instead of waiting out a 30 s interval
+    env = {**rgw_server.env(), "DS3D_S3_MAX_ATTEMPTS": "1", "DS3D_S3_OUTAGE_RETRIES": "1",
+           "DS3D_UPLOAD_RETRY_S": "2"}
     with DaemonProc(tmp_path / "state", extra_env=env,
                     args=["--hang-timeout", str(HANG_TIMEOUT_S)]) as d:
         r = d.ctl("start", "tiny", "--name", "outage", "--tp", "2", "--steps", str(STEPS),

@@ -77,6 +77,30 @@ def test_the_backlog_retry_limit_is_a_checked_daemon_flag(tmp_path: Path, capsys
         backlog.close()
 
 
+def test_the_workers_retry_interval_is_a_checked_node_wide_variable(tmp_path: Path,
+                                                                   capsys) -> None:
+    """DS3D_UPLOAD_RETRY_S (ds3dd's environment, inherited by its workers): the seconds before
+    a worker's failed upload is attempted again, default 30; below 1 s or not a number, ds3dd
+    refuses to start (exit code 2) and a worker refuses its configuration."""
+    from ds3d.checkpoints.errors import ConfigError
+    from ds3d.checkpoints.upload import retry_interval_from_env
+    from ds3d.daemon import main as ds3dd_main
+
+    assert retry_interval_from_env({}) == retry_interval_from_env({"DS3D_UPLOAD_RETRY_S": " "})
+    assert retry_interval_from_env({}) == 30.0
+    assert retry_interval_from_env({"DS3D_UPLOAD_RETRY_S": "2.5"}) == 2.5
+    for bad in ("0.5", "-3", "nan", "inf", "soon"):
+        with pytest.raises(ConfigError, match=f"DS3D_UPLOAD_RETRY_S='{bad}': expected a "
+                           "number of seconds, at least 1"):
+            retry_interval_from_env({"DS3D_UPLOAD_RETRY_S": bad})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DS3D_UPLOAD_RETRY_S", "0")
+        with pytest.raises(SystemExit) as exc:
+            ds3dd_main.main(["--state-dir", str(tmp_path / "s")])
+    assert exc.value.code == 2
+    assert "ds3dd: DS3D_UPLOAD_RETRY_S='0': expected" in capsys.readouterr().err
+
+
 def test_the_head_waits_for_a_commit_another_node_owes(tmp_path: Path) -> None:
     """A head whose newest step's part is uploaded, with rank 0 (the committer) on another
     node, has nothing to upload but must not end the job before that step's MANIFEST is in
