@@ -12,6 +12,8 @@ Two hooks on torch elastic's `LocalElasticAgent` (`Ds3dAgent`; its restart loop 
 * before each start of the group, the job's own TORCH_EXTENSIONS_DIR is made usable: build locks
   no live process holds are cleared and the warm cache's built ops copied in
   (daemon/extension_cache.py): a worker killed while DeepSpeed built its op blocks nothing;
+  after it, the named semaphores the start made are recorded beside the pid file
+  (daemon/semaphores.py), so that ds3dd can unlink them if the whole group is SIGKILLed;
 * a group in which a worker exited with EXIT_CONFIG (trainer/exit_codes.py: its configuration was
   refused) is not restarted: the same configuration would be refused again.
 
@@ -67,12 +69,14 @@ def _write_pid_file(path: Path) -> None:
     os.replace(tmp, path)
 
 
-def _agent_class(extensions: tuple[Path, Path] | None) -> type:
+def _agent_class(extensions: tuple[Path, Path] | None, semaphores: Path) -> type:
     """LocalElasticAgent with ds3d's two hooks (see the module docstring); `extensions` is
-    (the job's TORCH_EXTENSIONS_DIR, the warm cache it is seeded from)."""
+    (the job's TORCH_EXTENSIONS_DIR, the warm cache it is seeded from), `semaphores` the
+    record of the named semaphores the group starts make."""
     from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
+    from . import semaphores as named_semaphores
     from .extension_cache import prepare
 
     class Ds3dAgent(LocalElasticAgent):
@@ -92,6 +96,11 @@ def _agent_class(extensions: tuple[Path, Path] | None) -> type:
             print(f"ds3d agent: starting the worker group at {time.time():.3f} "
                   f"({self._remaining_restarts} restart(s) left)", flush=True)
             started: dict[int, Any] = super()._start_workers(worker_group)
+            try:
+                named_semaphores.record(semaphores)
+            except OSError as e:  # the group runs; only a cleanup after a SIGKILL is lost
+                print(f"ds3d agent: named semaphores not recorded in {semaphores}: {e}",
+                      flush=True)
             return started
 
         def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
@@ -104,7 +113,7 @@ def _agent_class(extensions: tuple[Path, Path] | None) -> type:
     return Ds3dAgent
 
 
-def _install_hooks(extensions: tuple[Path, Path] | None) -> None:
+def _install_hooks(extensions: tuple[Path, Path] | None, semaphores: Path) -> None:
     """ds3d's changes to torch elastic, all made here, before `elastic_launch` builds the agent
     (torch's own module-level names are swapped; nothing of its loops is copied):
 
@@ -137,11 +146,13 @@ def _install_hooks(extensions: tuple[Path, Path] | None) -> None:
               "MASTER_PORT is chosen by torch, outside ds3d's rule (daemon/ports.py)",
               flush=True)
     setattr(rendezvous_api, "get_free_port", _master_port)  # noqa: B010
-    setattr(launcher_api, "LocalElasticAgent", _agent_class(extensions))  # noqa: B010
+    setattr(launcher_api, "LocalElasticAgent",  # noqa: B010
+            _agent_class(extensions, semaphores))
 
 
 def run(spec: AgentSpec) -> tuple[int, str]:
     from .extension_cache import warm_root
+    from .semaphores import RECORD_SUFFIX
 
     extensions = None
     if spec.extensions_dir:
@@ -154,7 +165,7 @@ def run(spec: AgentSpec) -> tuple[int, str]:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    _install_hooks(extensions)
+    _install_hooks(extensions, Path(spec.pid_file).with_suffix(RECORD_SUFFIX))
     config = LaunchConfig(
         min_nodes=spec.min_nodes,
         max_nodes=spec.max_nodes,

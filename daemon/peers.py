@@ -51,6 +51,7 @@ from .errors import ANSWERED_BY
 from .jobdir import JobDir
 from .launcher import AgentHandle, Launcher, kill_strays
 from .logging import get_logger
+from .semaphores import release as release_semaphores
 
 log = get_logger("ds3d.peers")
 
@@ -283,6 +284,7 @@ class Shares:
                 backlog.close()
             # its workers too (own sessions): none may hold the job's build lock at the start
             kill_strays(jobdir.path)
+            release_semaphores(jobdir.path)
             jobdir.create(cfg.dump_json())
             (jobdir.control / STOPPED_FILE).unlink(missing_ok=True)
             # commands were meant for the previous workers; the head re-sends what is pending
@@ -405,6 +407,7 @@ class Shares:
         if handle is not None and handle.poll() is None:
             handle.ref.terminate(grace_s=min(timeout_s, 5.0))
         kill_strays(JobDir(self.root, name).path)
+        release_semaphores(JobDir(self.root, name).path)
 
     def _jobdir(self, name: str) -> JobDir | None:
         jobdir = JobDir(self.root, name)
@@ -512,9 +515,13 @@ class Shares:
         job_id = local_job_id(jobdir.path) if jobdir is not None else None
         if handle is None or handle.poll() is not None:
             remove_job_folder(job_id)
+            if jobdir is not None:
+                release_semaphores(jobdir.path)
             return False
         handle.ref.terminate(grace_s=1.0 if now else 30.0)
         remove_job_folder(job_id)
+        if jobdir is not None:
+            release_semaphores(jobdir.path)
         return True
 
     def status(self) -> list[pb.ShareStatus]:

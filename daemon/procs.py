@@ -1,9 +1,20 @@
-"""Knowing a process again after a daemon restart: pid *and* start time.
+"""Knowing a process again after a daemon restart: pid *and* start time; and ending it.
 
 Why both: ds3dd may be SIGKILLed and restarted while the agents and the rendezvous store it
 started keep running in their own sessions. A pid alone is not an identity — after a reboot or
 enough forks another process may carry it — so the daemon stores the kernel's start time with
 the pid and treats a process as "ours" only if both match.
+
+Ending a process group spares multiprocessing's resource tracker (`kill_group`). An agent runs
+its workers through torch elastic's MultiprocessContext with the "forkserver" start method,
+whose Event and per-rank SimpleQueues are named POSIX semaphores, `/dev/shm/sem.mp-*`. With
+that start method they are not unlinked at creation: the object's finalizer unlinks each (a
+clean exit), and otherwise the resource tracker, a process the agent starts in the agent's
+process group, which ignores SIGTERM and SIGINT and unlinks whatever is still registered once
+every process holding its pipe (agent, forkserver, workers) is gone. A SIGKILL of the whole
+group took the tracker too, and the files stayed until reboot: several per agent and restart,
+in a long run with restarts without bound (tmpfs inodes and pages on every node). A group
+SIGKILLed whole from elsewhere: daemon/semaphores.py.
 """
 
 from __future__ import annotations
@@ -78,10 +89,56 @@ class ProcessRef:
             if not self.alive():
                 return
             time.sleep(0.1)
-        self.signal_group(signal.SIGKILL)
+        if self.alive():
+            kill_group(self.pid)
         deadline = time.monotonic() + 5
         while self.alive() and time.monotonic() < deadline:
             time.sleep(0.05)
+
+
+# The command line multiprocessing starts its resource tracker with (CPython 3.8 to 3.13:
+# resource_tracker.ensure_running runs `python -c '<this>;main(FD)'`)
+_RESOURCE_TRACKER = "from multiprocessing.resource_tracker import main"
+
+
+def is_resource_tracker(p: psutil.Process) -> bool:
+    """`p` is a multiprocessing resource tracker (module docstring)."""
+    try:
+        return any(_RESOURCE_TRACKER in arg for arg in p.cmdline())
+    except psutil.Error:
+        return False
+
+
+def kill_group(pgid: int, timeout_s: float = 5.0) -> list[int]:
+    """SIGKILL to every process of the process group `pgid` except multiprocessing's resource
+    trackers, which end by themselves once the others are gone, after unlinking what they left
+    (module docstring). Repeated until none is left (a forkserver may fork one more while the
+    first kills land) or `timeout_s` passes. Returns the pids killed."""
+    killed: set[int] = set()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        members = [p for p in group_members(pgid) if not is_resource_tracker(p)]
+        if not members or time.monotonic() > deadline:
+            return sorted(killed)
+        for p in members:
+            try:
+                p.kill()
+                killed.add(p.pid)
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(members, timeout=0.5)
+
+
+def group_members(pgid: int) -> list[psutil.Process]:
+    """The live (not zombie) processes of process group `pgid`."""
+    out = []
+    for p in psutil.process_iter(["status"]):
+        try:
+            if os.getpgid(p.pid) == pgid and p.info.get("status") != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return out
 
 
 def spawn_detached(argv: Sequence[str], log_path: Path, env: dict[str, str],

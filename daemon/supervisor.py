@@ -57,6 +57,7 @@ from .policies import RestartPolicy, restart_policy_for
 from .procs import ProcessRef
 from .rendezvous import etcd_endpoint, rendezvous_run_id, start_store
 from .reports import Observation, ReportTail
+from .semaphores import release as release_semaphores
 from .stacks import StackDump, dump_stacks, suspects
 from .states import TERMINAL, JobState
 from .step_analysis import StepAnalysis
@@ -529,6 +530,7 @@ class JobSupervisor:
             stray = kill_strays(self.jobdir.path)  # workers of an agent that was killed
             if stray:
                 self.log.warning("ended stray workers before relaunch", pids=stray)
+            release_semaphores(self.jobdir.path)
             # commands were meant for the previous workers; new workers must not replay them
             self.jobdir.command_file.unlink(missing_ok=True)
             self.store.update(self.name, attempt=attempt, command_acked=job.command_id)
@@ -584,7 +586,8 @@ class JobSupervisor:
             self._kill_agent(now=True)
 
     def _kill_agent(self, now: bool) -> None:
-        """Ends the agent (its group) and any of its workers left behind (own sessions)."""
+        """Ends the agent (its group) and any of its workers left behind (own sessions), then
+        unlinks the named semaphores of a group that left them (semaphores.py)."""
         if self.agent is not None and self.agent.poll() is None:
             self.agent.ref.terminate(grace_s=2.0 if now else 30.0)
             if self.agent.popen is not None:
@@ -592,6 +595,7 @@ class JobSupervisor:
         stray = kill_strays(self.jobdir.path)
         if stray:
             self.log.warning("ended stray workers", pids=stray)
+        release_semaphores(self.jobdir.path)
 
     # ---- a lost node returns ----------------------------------------------------------------
 

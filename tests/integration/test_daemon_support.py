@@ -325,13 +325,17 @@ def kill_job_processes(state_dir: Path) -> None:
 
 
 def _kill_tree(pid: int) -> None:
+    """SIGKILL to `pid` and its descendants but multiprocessing's resource tracker, which
+    unlinks the agent's semaphores in /dev/shm once the others are gone (daemon/procs.py)."""
     import psutil
+
+    from ds3d.daemon.procs import is_resource_tracker
 
     try:
         root = psutil.Process(pid)
     except psutil.NoSuchProcess:
         return
-    procs = [root, *root.children(recursive=True)]
+    procs = [p for p in (root, *root.children(recursive=True)) if not is_resource_tracker(p)]
     for p in procs:
         try:
             p.kill()
