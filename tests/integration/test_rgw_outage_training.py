@@ -204,9 +204,12 @@ def test_gateway_down_past_retry_budget_then_committed_by_the_next_run(
         reference: dict[int, float]) -> None:
     run = tmp_path / "run"
     # A budget of about a second (one request attempt, one whole-upload retry): a 3 s outage
-    # outlasts it. The Uploader's own retry comes 30 s later, after this short job has ended.
+    # outlasts it. The Uploader's own retry comes DS3D_UPLOAD_RETRY_S later (here 2 s, default
+    # 30): the job's end waits for the store (wait_for_store) and that retry commits the step in
+    # this run; a run that ends first leaves it to the next run (below).
     env = {**rgw_server.env(), **TRANSFER, "DS3D_S3_MAX_BANDWIDTH_MIB": "8",
-           "DS3D_S3_MAX_ATTEMPTS": "1", "DS3D_S3_OUTAGE_RETRIES": "1"}
+           "DS3D_S3_MAX_ATTEMPTS": "1", "DS3D_S3_OUTAGE_RETRIES": "1",
+           "DS3D_UPLOAD_RETRY_S": "2"}
     key, t_down, t_up = train_through_outage(rgw_cluster, rgw_server, rgw_bucket, run, env)
     shutil.copy(run / "torchrun.log", run / "torchrun-first.log")
 
