@@ -49,11 +49,14 @@ def test_matches_clip_then_torch_adamw_then_bf16_copy(fused: bool, n: int):
         torch.cuda.synchronize()
         ref_state = opt.state[ref_weight]
         assert float(part.state["step"]) == float(ref_state["step"]) == step + 2
-        torch.testing.assert_close(part.weight, ref_weight, rtol=2e-6, atol=1e-7)
-        torch.testing.assert_close(part.state["exp_avg"], ref_state["exp_avg"], rtol=2e-6,
-                                   atol=1e-9)
-        torch.testing.assert_close(part.state["exp_avg_sq"], ref_state["exp_avg_sq"],
-                                   rtol=2e-6, atol=1e-12)
+        # fp32 rounding apart (another compiler's contractions): within a few ulps of each
+        # tensor's largest value (an element summed from two terms of opposite sign can be
+        # small, its error is the terms')
+        for ours, ref in ((part.weight, ref_weight),
+                          (part.state["exp_avg"], ref_state["exp_avg"]),
+                          (part.state["exp_avg_sq"], ref_state["exp_avg_sq"])):
+            torch.testing.assert_close(ours, ref, rtol=2e-6,
+                                       atol=4e-7 * float(ref.abs().max()))
         # the bf16 copy is the updated fp32 weight rounded, as update_lp_params' copy_ does
         assert torch.equal(part.weight_lp, part.weight.to(torch.bfloat16))
         assert torch.equal(part.grad, g)  # the gradient buffer keeps its unclipped values
