@@ -39,9 +39,15 @@ def test_fused_norm_skips_nan_and_inf_steps_on_cuda_and_tracks_stock():
         # step 4 has a NaN gradient, step 6 an Inf: both skipped, norm reported inf
         assert f_applied == s_applied == [step not in (4, 6) for step in range(8)], case
         assert [math.isinf(n) for n in f_norms] == [not a for a in f_applied], case
-        for s, f in zip(s_norms, f_norms, strict=True):
+        for step, (s, f) in enumerate(zip(s_norms, f_norms, strict=True)):
             assert math.isinf(s) == math.isinf(f), case
+            # the norm of the same gradients: up to step 1 (both runs' weights are the same
+            # until AdamW's second step, the first that trainer/fused_adamw.py's kernel makes),
+            # and at every step of SGD (torch's step in both). After it the fused AdamW's
+            # weights differ from torch's in fp32's last bits, which can flip a bf16 rounding
+            # of a weight of this small model: its gradients, hence norms, then differ by that
+            same_weights = step <= 1 or case.startswith("sgd")
             if not math.isinf(s):
-                assert abs(s - f) <= 1e-5 * abs(s), (case, s, f)
+                assert abs(s - f) <= (1e-5 if same_weights else 1e-2) * abs(s), (case, step, s, f)
         assert _close(s_weights, f_weights, 2e-2), case  # bf16: 2^-8 per rounding
         assert _close(s_state, f_state, 2e-2), case
