@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import signal
 import time
 from pathlib import Path
 
@@ -177,6 +178,21 @@ def test_unreachable_node_fails_the_launch_cleanly(tmp_path):
         kill_job_processes(a.state_dir)
 
 
+def _workers_under(root: Path) -> list:
+    """The live worker processes (psutil) of every node's share of jobs run under `root`."""
+    import psutil
+
+    from ds3d.daemon.procs import WorkerTitle
+
+    out = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        title = WorkerTitle.parse(p.info.get("cmdline") or [])
+        if title is not None and title.run_dir.startswith(str(root)) and \
+                p.info.get("status") != psutil.STATUS_ZOMBIE:
+            out.append(p)
+    return out
+
+
 def test_lost_node_job_finishes_on_the_others_with_a_reshape(tmp_path):
     """Three daemons as three nodes run an elastic job (DP 3, launch.min_nodes 2). One node
     is SIGKILLed, daemon, agent and worker together: the other two re-rendezvous, DP shrinks to
@@ -217,14 +233,30 @@ def test_lost_node_job_finishes_on_the_others_with_a_reshape(tmp_path):
         short = a.wait_for("ln", lambda j: j["world_size"] == 2 and j["state"] == "RUNNING"
                            or j["state"] in ("FAILED", "COMPLETED"), "DP 2", timeout_s=300)
         assert short["state"] == "RUNNING", a.ctl("logs", "ln").stdout[-5000:]
-        # the DP 2 group must outlast node c's return, however fast its steps are: rank 0
-        # computes 0.1 s slower a micro-batch from the next step (0.3 s a step at DP 2),
-        # until the relaunch for node c replaces it
+        # the DP 2 group must outlast node c's return, however loaded the machine (CI of
+        # 12-05 and 12-06 saw it train to the end first, at DP 2): its two workers are stopped
+        # (SIGSTOP) until the head has noticed node c and queued the restart that takes it
+        # back, then continued (the collectives' timeout is 300 s, the hang timeout 120 s)
+        # (and rank 0 computes 0.1 s slower a micro-batch from its next step, so the few steps
+        # between the continue and the command's delivery on the head's next tick stay few)
         r = a.ctl("inject", "ln", "slow", "--rank", "0")
         assert r.returncode == 0, r.stderr
-        # node c returns: a new daemon on the same state dir and address
-        c.argv[c.argv.index("--listen") + 1] = c.addr
-        c.start()
+        dp2 = _workers_under(tmp_path)
+        assert len(dp2) == 2, dp2
+        for p in dp2:
+            p.send_signal(signal.SIGSTOP)
+        try:
+            # node c returns: a new daemon on the same state dir and address
+            c.argv[c.argv.index("--listen") + 1] = c.addr
+            c.start()
+            deadline = time.monotonic() + 90
+            while not any(e["kind"] == "command" and "back: checkpoint" in e["message"]
+                          for e in a.events("ln")):
+                assert time.monotonic() < deadline, a.events("ln")
+                time.sleep(0.5)
+        finally:
+            for p in dp2:
+                p.send_signal(signal.SIGCONT)
 
         done = a.wait_state("ln", "COMPLETED", "FAILED", timeout_s=500)
         assert done["state"] == "COMPLETED", a.ctl("logs", "ln").stdout[-5000:]
