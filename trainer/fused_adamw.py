@@ -45,7 +45,7 @@ if triton is not None:
 
     @triton.jit
     def _adamw_kernel(weight, grad, exp_avg, exp_avg_sq, weight_lp, coef_ptr, corr_ptr, n,
-                      lr, decay, beta1, beta2, eps, step_size, bc2_sqrt,
+                      decay, beta1, beta2, eps, step_size, bc2_sqrt,
                       CLIP: tl.constexpr, CORR_ON_DEVICE: tl.constexpr, BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
@@ -153,6 +153,6 @@ def step_(work: list[Partition], coef: torch.Tensor | None) -> None:
         _adamw_kernel[(triton.cdiv(n, BLOCK),)](
             part.weight, part.grad, state["exp_avg"], state["exp_avg_sq"], part.weight_lp,
             coef if coef is not None else part.weight, corr if corr is not None else part.weight,
-            n, lr, 1.0 - lr * float(group["weight_decay"]), beta1, beta2, float(group["eps"]),
+            n, 1.0 - lr * float(group["weight_decay"]), beta1, beta2, float(group["eps"]),
             step_size, bc2_sqrt, CLIP=coef is not None, CORR_ON_DEVICE=corr is not None,
             BLOCK=BLOCK)
