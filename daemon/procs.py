@@ -186,14 +186,16 @@ class WorkerTitle:
         return cls(m["module"], m["run_dir"], int(m["rank"]), int(m["local_rank"]))
 
 
-def job_workers(run_dir: Path | str) -> dict[psutil.Process, WorkerTitle]:
-    """The live worker processes of the job in `run_dir`, with what their titles say."""
+def job_workers(run_dir: Path | str, *, below: bool = False) -> dict[psutil.Process, WorkerTitle]:
+    """The live worker processes of the job in `run_dir`, with what their titles say;
+    `below`: of every job run anywhere under `run_dir` (a test's root of several nodes)."""
     target = str(run_dir)
     out: dict[psutil.Process, WorkerTitle] = {}
     for p in psutil.process_iter(["cmdline", "status"]):
         title = WorkerTitle.parse(p.info.get("cmdline") or [])
-        if title is not None and title.run_dir == target and \
-                p.info.get("status") != psutil.STATUS_ZOMBIE:
+        if title is None or p.info.get("status") == psutil.STATUS_ZOMBIE:
+            continue
+        if title.run_dir == target or (below and title.run_dir.startswith(target + os.sep)):
             out[p] = title
     return out
 

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from ds3d.daemon.procs import job_workers
+
 from support import losses, records, torchrun
 from test_daemon_support import (
     DaemonProc,
@@ -178,21 +180,6 @@ def test_unreachable_node_fails_the_launch_cleanly(tmp_path):
         kill_job_processes(a.state_dir)
 
 
-def _workers_under(root: Path) -> list:
-    """The live worker processes (psutil) of every node's share of jobs run under `root`."""
-    import psutil
-
-    from ds3d.daemon.procs import WorkerTitle
-
-    out = []
-    for p in psutil.process_iter(["cmdline", "status"]):
-        title = WorkerTitle.parse(p.info.get("cmdline") or [])
-        if title is not None and title.run_dir.startswith(str(root)) and \
-                p.info.get("status") != psutil.STATUS_ZOMBIE:
-            out.append(p)
-    return out
-
-
 def test_lost_node_job_finishes_on_the_others_with_a_reshape(tmp_path):
     """Three daemons as three nodes run an elastic job (DP 3, launch.min_nodes 2). One node
     is SIGKILLed, daemon, agent and worker together: the other two re-rendezvous, DP shrinks to
@@ -241,7 +228,7 @@ def test_lost_node_job_finishes_on_the_others_with_a_reshape(tmp_path):
         # between the continue and the command's delivery on the head's next tick stay few)
         r = a.ctl("inject", "ln", "slow", "--rank", "0")
         assert r.returncode == 0, r.stderr
-        dp2 = _workers_under(tmp_path)
+        dp2 = list(job_workers(tmp_path, below=True))
         assert len(dp2) == 2, dp2
         for p in dp2:
             p.send_signal(signal.SIGSTOP)

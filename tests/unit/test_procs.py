@@ -56,6 +56,9 @@ def test_a_worker_title_round_trips_through_the_command_line_psutil_reads(tmp_pa
         [(p, seen)] = job_workers(run_dir).items()
         assert p.pid == proc.pid and seen == title
         assert job_workers(tmp_path / "another job") == {}
+        assert list(job_workers(tmp_path, below=True)) == [p]  # a root of several nodes' jobs
+        assert job_workers(tmp_path) == {}  # not the job itself without `below`
+        assert job_workers(str(run_dir)[:-1], below=True) == {}  # a name prefix is not a folder
     finally:
         proc.kill()
         proc.wait()
