@@ -691,8 +691,13 @@ def build_job_config(source: str, overrides: list[str] | None = None,
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"--set {item!r}: {p!r} is a value, not a section")
+        written = _leaf_paths(value, tuple(path)) if isinstance(value, dict) else [tuple(path)]
+        if isinstance(value, dict) and isinstance(node.get(path[-1]), dict):
+            # a table merges key by key, as a TOML file over its preset: replacing the section
+            # would drop what the file (or an earlier --set) wrote there without a word
+            value = _deep_merge(node[path[-1]], value)
         node[path[-1]] = value
-        explicit[tuple(path)] = f"--set {item}"
+        explicit.update({k: f"--set {item}" for k in written})
     if name is not None:
         data["name"] = name
     preset = data.get("preset")

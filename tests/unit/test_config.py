@@ -86,6 +86,27 @@ def test_toml_file_with_preset_base_and_overrides(tmp_path):
     assert cfg.model.d_model == 64  # from the preset
 
 
+def test_a_table_override_merges_into_the_section_like_a_toml_file(tmp_path):
+    """Was: `--set 'train={steps=3}'` replaced the whole [train] table, so the job file's
+    micro and global batch (and every other train.* it set) were silently dropped."""
+    f = tmp_path / "job.toml"
+    f.write_text('preset = "tiny"\n[train]\nmicro_batch_size = 2\nglobal_batch_size = 8\n')
+    cfg = build_job_config(str(f), ["train={steps=3}"])
+    assert (cfg.train.steps, cfg.train.micro_batch_size, cfg.train.global_batch_size) == (3, 2, 8)
+    assert build_job_config(str(f), ["train={}"]) == build_job_config(str(f))
+
+
+def test_a_table_override_is_explicit_against_a_deepspeed_json(tmp_path):
+    """Was: a value set inside a table override (`--set 'train={micro_batch_size=2}'`) was not
+    counted as written by the user, and the DeepSpeed JSON's different batch size won quietly."""
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}')
+    with pytest.raises(ConfigError) as err:
+        build_job_config("tiny", [f"train.deepspeed_config={json.dumps(str(ds))}",
+                                  "train={micro_batch_size=2}"])
+    assert "train.micro_batch_size=4, but --set train={micro_batch_size=2}" in str(err.value)
+
+
 def test_broken_toml_is_reported(tmp_path):
     f = tmp_path / "job.toml"
     f.write_text("[train\nsteps = 1")
