@@ -701,6 +701,7 @@ def build_job_config(source: str, overrides: list[str] | None = None,
     if name is not None:
         data["name"] = name
     preset = data.get("preset")
+    name_from_file = "name" not in data and not (isinstance(preset, str) and preset)
     data.setdefault("name", preset if isinstance(preset, str) and preset else Path(source).stem)
     translation = None
     if isinstance(data.get("train"), dict) and data["train"].get("deepspeed_config"):
@@ -709,7 +710,10 @@ def build_job_config(source: str, overrides: list[str] | None = None,
     try:
         cfg = JobConfig.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(explain(e, source)) from None
+        message = explain(e, source)
+        if name_from_file and not valid_job_name(data["name"]):
+            message += "\n  " + _file_name_hint(source, data["name"])
+        raise ConfigError(message) from None
     if translation is not None:
         from .ds_config_import import check_translated
         check_translated(cfg, translation)
@@ -718,6 +722,14 @@ def build_job_config(source: str, overrides: list[str] | None = None,
     if why := _s3_settings_problem(cfg):
         raise ConfigError(f"job {cfg.name!r} cannot run as configured:\n  - {why}")
     return cfg
+
+
+def _file_name_hint(source: str, stem: str) -> str:
+    """What to do when the name a job file left out was taken from its file name and is not a
+    job name: the user never wrote that name, so say where it came from and offer one."""
+    suggestion = re.sub(r"[^a-z0-9._-]+", "-", stem.lower()).lstrip("-._")[:63] or "job"
+    return (f"(the name {stem!r} comes from the file name: write name = \"{suggestion}\" in "
+            f"{source}, or give --name {suggestion})")
 
 
 def _s3_settings_problem(cfg: JobConfig) -> str | None:

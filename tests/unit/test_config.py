@@ -128,6 +128,20 @@ def test_a_toml_file_of_odd_values_is_refused_not_a_traceback(tmp_path, content,
     assert phrase in str(err.value), str(err.value)
 
 
+def test_a_name_taken_from_the_file_name_says_where_it_came_from_and_what_to_write(tmp_path):
+    """Was: a job file without `name` (and without a preset) named "My Job.toml" was refused as
+    `name='My Job': must be ...`, a name the user never wrote, with no word of how to give one."""
+    f = tmp_path / "My Job.toml"
+    f.write_text("[model]\nvocab_size = 256\nd_model = 64\nn_layers = 4\nn_heads = 4\n"
+                 "seq_len = 64\n")
+    with pytest.raises(ConfigError) as err:
+        build_job_config(str(f))
+    message = str(err.value)
+    assert "from the file name" in message and "--name" in message, message
+    assert '"my-job"' in message, message
+    assert build_job_config(str(f), name="my-job").name == "my-job"
+
+
 def test_a_preset_override_that_is_no_name_is_refused_as_a_preset():
     """Was: `--set preset=[1]` was reported as `name=[1]` (the name is taken from the preset)."""
     with pytest.raises(ConfigError) as err:
