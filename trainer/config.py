@@ -666,7 +666,8 @@ def build_job_config(source: str, overrides: list[str] | None = None,
     elif source.endswith(".toml") or "/" in source:
         path = Path(source)
         if not path.is_file():
-            raise ConfigError(f"config file {source!r} does not exist; give a preset "
+            what = "is a folder, not a file" if path.is_dir() else "does not exist"
+            raise ConfigError(f"config file {source!r} {what}; give a preset "
                               f"({', '.join(PRESETS)}) or the path of a TOML file")
         try:
             raw = tomllib.loads(path.read_text())

@@ -77,6 +77,13 @@ def test_missing_toml_file():
         build_job_config("/nope/job.toml")
 
 
+def test_a_folder_given_as_the_job_file_is_named_a_folder(tmp_path):
+    """Was: `ds3dctl check ops/` said the folder "does not exist"."""
+    with pytest.raises(ConfigError) as err:
+        build_job_config(str(tmp_path))
+    assert "is a folder, not a file" in str(err.value) and "exist" not in str(err.value)
+
+
 def test_toml_file_with_preset_base_and_overrides(tmp_path):
     f = tmp_path / "job.toml"
     f.write_text('preset = "tiny"\nname = "exp-1"\n[parallel]\npp = 2\n[train]\nsteps = 7\n')
