@@ -382,7 +382,13 @@ class JobService:
             r = source.split(":", 1)[1]
             if not (r.isascii() and r.isdigit()):
                 raise ConfigError(f"logs source {source!r}: use agent, rank:N or nothing")
+            ranks = sorted({int(p.parent.name) for p in files if p.parent.name.isdigit()})
             files = [p for p in files if p.parent.name == r]
+            if not files and ranks:  # not "no logs yet": this rank has none at all
+                raise NotFoundError(
+                    f"no logs of local rank {r} on node {self.node}; its worker logs are of "
+                    f"local ranks {', '.join(map(str, ranks))} (rank:N is the rank on this "
+                    "node, not the global rank)")
         elif source:
             raise ConfigError(f"logs source {source!r}: use agent, rank:N or nothing")
         n = tail_lines if tail_lines > 0 else 200

@@ -13,7 +13,7 @@ from ds3d.daemon.api import ControlServicer
 from ds3d.daemon.service import LOGS_ANSWER_MAX_BYTES, JobService
 from ds3d.daemon.store import Store
 from ds3d.trainer.config import build_job_config
-from ds3d.trainer.errors import ConfigError
+from ds3d.trainer.errors import ConfigError, NotFoundError
 from ds3d.v1 import control_pb2 as pb
 
 pytestmark = pytest.mark.timeout(60)
@@ -51,3 +51,21 @@ def test_many_big_logs_fit_one_answer_newest_first(tmp_path):
 def test_a_rank_source_takes_ascii_digits_only(tmp_path):
     with pytest.raises(ConfigError, match="logs source 'rank:\u0661'"):
         _service(tmp_path).logs("lg", 10, "rank:\u0661")
+
+
+def test_a_rank_without_logs_names_the_ranks_that_have_them(tmp_path):
+    """Was: `ds3dctl logs JOB --source rank:99` of a four-rank job printed "no logs yet", as if
+    rank 99 had only not written yet."""
+    for rank in range(4):
+        f = tmp_path / "jobs" / "lg" / "logs" / "attempt-1" / "run" / "attempt_0" / str(rank) / \
+            "stderr.log"
+        f.parent.mkdir(parents=True)
+        f.write_text("x\n")
+    service = _service(tmp_path)
+    assert [t.path for t in service.logs("lg", 10, "rank:2")] == \
+        ["attempt-1/run/attempt_0/2/stderr.log"]
+    with pytest.raises(NotFoundError) as err:
+        service.logs("lg", 10, "rank:99")
+    assert "no logs of local rank 99 on node n1" in str(err.value)
+    assert "local ranks 0, 1, 2, 3" in str(err.value)
+    assert service.logs("lg", 10, "agent") == []  # no agent log yet: nothing, as before
