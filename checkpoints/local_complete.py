@@ -30,15 +30,17 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
-import torch
-import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from . import layout
 from .identity import manifest_is_mine
 from .manifest import CheckpointMeta, FileEntry, Manifest, PartManifest, hash_file, merge_parts
+
+if TYPE_CHECKING:
+    import torch
 
 log = structlog.get_logger("ds3d.checkpoints.local_complete")
 
@@ -144,6 +146,9 @@ def agree_local_step(local_dir: str | Path, rank: int, world_size: int, job_id: 
     all-reduce accepts it or moves on to the next older common step. With `verify=False` the
     candidate is returned unhashed: the caller must check the hashes while it reads the files
     (read_ahead.py, engine_io.CheckpointManager.confirm) and exclude the step if they fail."""
+    import torch  # here, not at the top: ds3dd imports this module and never needs torch
+    import torch.distributed as dist
+
     root = Path(local_dir)
     whole = {s: m for s in _recorded_steps(root) if s not in exclude
              and (m := complete_here(root, s, world_size, job_id)) is not None}

@@ -58,7 +58,6 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-import torch
 
 log = structlog.get_logger("ds3d.checkpoints.node_memory")
 
@@ -314,11 +313,14 @@ class _Pickler(pickle.Pickler):
     """Pickles a snapshot's structure with each tensor as its place in the arena."""
 
     def __init__(self, fh: Any, base: int, size: int) -> None:
+        import torch  # here: ds3dd imports this module (remove_job_folder), never torch
+
         super().__init__(fh, protocol=pickle.HIGHEST_PROTOCOL)
         self.base, self.size = base, size
+        self.tensor_type = torch.Tensor
 
     def persistent_id(self, obj: Any) -> Any:
-        if not isinstance(obj, torch.Tensor):
+        if not isinstance(obj, self.tensor_type):
             return None
         if obj.numel() == 0:
             return ("t", 0, str(obj.dtype), tuple(obj.shape), tuple(obj.stride()), 0)
@@ -340,6 +342,8 @@ class _Unpickler(pickle.Unpickler):
         self.buf = buf
 
     def persistent_load(self, pid: Any) -> Any:
+        import torch
+
         kind, offset, dtype_name, shape, stride, numel = pid
         if kind != "t":
             raise pickle.UnpicklingError(f"unknown persistent id {kind!r}")

@@ -47,3 +47,24 @@ def test_the_rule_sees_imports():
     """The scan finds what is there (so an empty result above means something)."""
     assert imports_of("daemon", "ds3d.checkpoints")  # `from ds3d.checkpoints.x import ...`
     assert imports_of("daemon", "ds3d.v1")
+
+
+# ds3dd and ds3dctl are control-plane processes: importing torch costs each start ~2.5 CPU-s
+# and ~150 MB (the test suite starts hundreds of them; a node runs the daemon for weeks). Only
+# the agent and the workers import it, inside functions where the daemon reaches them.
+NO_TORCH = "import sys; sys.modules['torch'] = None; import importlib; " \
+    "[importlib.import_module(m) for m in sys.argv[1:]]"
+
+
+def test_daemon_and_cli_start_without_torch():
+    import subprocess
+    import sys
+
+    modules = ["ds3d.daemon.main", "ds3d.daemon.server", "ds3d.daemon.cli"]
+    out = subprocess.run([sys.executable, "-c", NO_TORCH, *modules], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    # the check itself bites: a module that needs torch fails under it
+    out = subprocess.run([sys.executable, "-c", NO_TORCH, "ds3d.checkpoints.engine_io"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "torch" in out.stderr
