@@ -36,7 +36,7 @@ from .fit_check import check_fit
 from .jobdir import JobDir
 from .peers import PeerClient, check_peer_address
 from .preflight import preflight
-from .states import TERMINAL, JobState, check_action
+from .states import LIVE, TERMINAL, JobState, check_action
 from .step_analysis import BUBBLE_TARGET, REDUCE_TO_FORWARD_TARGET
 from .store import CheckpointRow, Event, Job, Store
 from .supervisor import Supervisors
@@ -156,6 +156,11 @@ class JobService:
 
     def resume(self, name: str) -> Job:
         job = self.store.get_job(name)
+        if job.desired_state is JobState.PAUSED and job.state in LIVE - {JobState.PAUSED}:
+            # `pause` returns once the request is stored; the workers save, then exit
+            raise StateError(f"cannot resume job {name!r} yet: it is being paused (state "
+                             f"{job.state.name}: the workers save a checkpoint, then exit); "
+                             f"resume once `ds3dctl status {name}` shows PAUSED")
         check_action(name, "resume", job.state)
         job = self.store.record(name, EventKind.REQUEST, "resume requested",
                                 desired_state=JobState.RUNNING)

@@ -82,3 +82,27 @@ def test_every_action_allows_only_live_states():
 def test_pause_of_stopped_job_says_what_to_do():
     with pytest.raises(StateError, match="start a new job"):
         check_action("j", "pause", JobState.STOPPED)
+
+
+@pytest.mark.parametrize("state", [JobState.STARTING, JobState.RUNNING, JobState.RECOVERING])
+def test_resume_while_a_pause_is_under_way_says_to_wait_for_paused(tmp_path, state):
+    """Was: `ds3dctl pause JOB && ds3dctl resume JOB` (the README's line) was refused with "it
+    is already running", though the job was being paused: pause returns once the request is
+    stored, and the workers save and exit after it."""
+    from ds3d.daemon.service import JobService
+    from ds3d.daemon.store import Store
+    from ds3d.trainer.config import build_job_config
+    from ds3d.trainer.kinds import EventKind
+
+    store = Store(tmp_path / "ds3d.db")
+    store.create_job("j", build_job_config("tiny", name="j").dump_json(), "n1", str(tmp_path))
+    way = [JobState.STARTING, JobState.RUNNING, JobState.RECOVERING]
+    for s in way[:way.index(state) + 1]:
+        store.transition("j", s, "test")
+    store.record("j", EventKind.REQUEST, "pause requested", desired_state=JobState.PAUSED)
+    service = JobService(store, None, tmp_path / "jobs", "n1")  # type: ignore[arg-type]
+    with pytest.raises(StateError) as err:
+        service.resume("j")
+    message = str(err.value)
+    assert "being paused" in message and "already running" not in message, message
+    assert "once `ds3dctl status j` shows PAUSED" in message, message
