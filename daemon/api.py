@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any, TypeVar, cast
@@ -26,6 +27,7 @@ from ds3d.v1 import control_pb2 as pb
 from ds3d.v1 import control_pb2_grpc as pb_grpc
 
 from . import job_pages
+from .errors import WatchLimitError
 from .job_leadership import LEASE_TTL_S
 from .logging import get_logger
 from .peers import HeadReplacingError, PeerClient, PeerError, Shares
@@ -165,12 +167,16 @@ def event_to_proto(ev: Event) -> pb.Event:
 
 class ControlServicer(pb_grpc.ControlServicer):
     def __init__(self, service: JobService, shares: Shares, node: str,
-                 peers: PeerClient | None = None) -> None:
+                 peers: PeerClient | None = None, followed_watches_max: int = 24) -> None:
+        """`followed_watches_max`: most WatchEvents with `follow` served at once; each holds
+        an RPC thread until its client leaves, so it must stay below the server's threads."""
         self.service = service
         self.shares = shares
         self.node = node
         self.peers = peers
         self.started_at = time.time()
+        self.followed_watches_max = followed_watches_max
+        self._watch_slots = threading.BoundedSemaphore(followed_watches_max)
 
     def _head(self, name: str) -> str | None:
         """The head daemon's address when `name` is not headed here but this node runs (or
@@ -275,10 +281,20 @@ class ControlServicer(pb_grpc.ControlServicer):
         name = _name(request.name) if request.name else ""
         if request.after_seq < 0 or request.step_every < 0:
             raise ConfigError("after_seq and step_every must be 0 or more")
-        for ev in self.service.events(name, request.after_seq, request.follow,
-                                      list(request.kinds), request.step_every,
-                                      context.is_active):
-            yield event_to_proto(ev)
+        if request.follow and not self._watch_slots.acquire(blocking=False):
+            raise WatchLimitError(
+                f"{self.followed_watches_max} event watches that follow are open on this "
+                "daemon, the most it serves at once (so that every other call keeps an "
+                "answer); end one (a `ds3dctl events --follow` left running?), or watch "
+                "without follow and again later")
+        try:
+            for ev in self.service.events(name, request.after_seq, request.follow,
+                                          list(request.kinds), request.step_every,
+                                          context.is_active):
+                yield event_to_proto(ev)
+        finally:
+            if request.follow:
+                self._watch_slots.release()
 
     def ListCheckpoints(self, request: pb.ListCheckpointsRequest,
                         context: grpc.ServicerContext) -> pb.ListCheckpointsResponse:

@@ -29,6 +29,14 @@ class UnauthenticatedError(PermissionError_):
     grpc_code = "UNAUTHENTICATED"
 
 
+class WatchLimitError(Ds3dError):
+    """Every slot for a followed event watch is taken: each holds one of the daemon's RPC
+    threads for as long as it runs, so past the limit no other call would get an answer."""
+
+    grpc_code = "RESOURCE_EXHAUSTED"
+    retryable = True
+
+
 def status_code(err: Ds3dError) -> grpc.StatusCode:
     """Ds3dError.grpc_code (a string) -> grpc.StatusCode; an unknown name is a bug -> INTERNAL."""
     return getattr(grpc.StatusCode, err.grpc_code, grpc.StatusCode.INTERNAL)

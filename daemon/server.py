@@ -47,6 +47,10 @@ from .takeover import Standby
 log = get_logger("ds3d.daemon")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Control"].full_name
+RPC_THREADS = 32  # calls served at once; more wait in gRPC's queue
+# a followed WatchEvents holds a thread until its client leaves: 32 of them (32 forgotten
+# `ds3dctl events -f`) left no thread for any other call (status, stop, health, peers)
+FOLLOWED_WATCHES_MAX = RPC_THREADS - 8
 
 
 @dataclass
@@ -151,13 +155,14 @@ class Daemon:
         interceptors.append(ErrorInterceptor(
             on_call=lambda method: self.metrics.rpcs.labels(method).inc()))
         server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="rpc"),
+            futures.ThreadPoolExecutor(max_workers=RPC_THREADS, thread_name_prefix="rpc"),
             interceptors=interceptors,
             options=[("grpc.max_receive_message_length", self.opts.max_request_bytes),
                      ("grpc.max_send_message_length", 16 << 20),
                      ("grpc.so_reuseport", 0)])
         pb_grpc.add_ControlServicer_to_server(
-            ControlServicer(self.service, self.shares, self.opts.node, self.peers), server)
+            ControlServicer(self.service, self.shares, self.opts.node, self.peers,
+                            followed_watches_max=FOLLOWED_WATCHES_MAX), server)
         health_servicer = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         services = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)

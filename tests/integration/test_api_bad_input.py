@@ -158,6 +158,44 @@ def test_ctl_refusals_exit_2_with_one_message(daemon, what, argv, needle):
     still_serving(daemon)
 
 
+def test_followed_watches_past_the_limit_are_refused_and_every_other_call_is_answered(daemon):
+    """Was: each WatchEvents with follow holds one of ds3dd's 32 RPC threads until its client
+    leaves; 32 of them (forgotten `ds3dctl events -f`, dashboards) left none, and every other
+    call (status, stop, health, the peers' calls) waited until its deadline. Past the limit a
+    followed watch is refused RESOURCE_EXHAUSTED saying what to do, and the daemon answers."""
+    from ds3d.daemon.server import FOLLOWED_WATCHES_MAX, RPC_THREADS
+
+    channel, stub = daemon.stub()
+    with channel:
+        follow = pb.WatchEventsRequest(name="", follow=True, after_seq=2**62)
+        watches = [stub.WatchEvents(follow, metadata=daemon.md())
+                   for _ in range(RPC_THREADS + 4)]
+        try:
+            deadline = time.monotonic() + 20
+            while sum(w.done() for w in watches) < len(watches) - FOLLOWED_WATCHES_MAX and \
+                    time.monotonic() < deadline:
+                time.sleep(0.1)
+            refused = [w for w in watches if w.done()]
+            assert len(refused) == len(watches) - FOLLOWED_WATCHES_MAX
+            for w in refused:
+                assert w.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, w.details()
+                assert "event watches that follow are open" in w.details()
+                assert "ds3dctl events --follow" in w.details()
+            still_serving(daemon)
+        finally:
+            for w in watches:
+                w.cancel()
+        deadline = time.monotonic() + 20  # a left watch frees its slot within a second or so
+        while True:
+            try:
+                list(stub.WatchEvents(follow, timeout=2, metadata=daemon.md()))
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    break  # served, following, until its deadline
+                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and \
+                    time.monotonic() < deadline, e.details()
+
+
 def test_ds3dd_refuses_to_listen_beyond_loopback_without_tls(tmp_path):
     d = DaemonProc(tmp_path / "state")
     d.argv[d.argv.index("127.0.0.1:0")] = "0.0.0.0:0"
