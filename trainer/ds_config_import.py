@@ -148,8 +148,23 @@ def _not_json_message(path: Path, text: str, err: json.JSONDecodeError) -> str:
         return (f"{path} is not JSON (it looks like YAML, e.g. a GPT-NeoX config): give a "
                 "GPT-NeoX YAML as `ds3dctl start FILE.yml` or `--neox FILE.yml`, which "
                 "translates it; train.deepspeed_config takes a DeepSpeed JSON only")
-    return (f"{path} is not valid JSON (line {err.lineno}, column {err.colno}: {err.msg}); "
-            "train.deepspeed_config takes a DeepSpeed JSON file")
+    where = f"line {err.lineno}, column {err.colno}: {err.msg}"
+    if _hjson_object(text):
+        return (f"{path} is not strict JSON ({where}), though DeepSpeed's own reader (hjson) "
+                "takes it: ds3d reads a DeepSpeed config as JSON, so remove its comments, "
+                "trailing commas and unquoted strings")
+    return f"{path} is not valid JSON ({where}); train.deepspeed_config takes a DeepSpeed JSON file"
+
+
+def _hjson_object(text: str) -> bool:
+    """Whether DeepSpeed's reader of a config file (hjson: JSON plus comments, trailing commas,
+    unquoted strings) reads `text` as an object."""
+    try:
+        import hjson  # DeepSpeed's dependency
+
+        return isinstance(hjson.loads(text), dict)
+    except (ImportError, ValueError, RecursionError):  # HjsonDecodeError is a ValueError
+        return False
 
 
 # ---- translation ----------------------------------------------------------------------------

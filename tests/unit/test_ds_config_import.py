@@ -141,6 +141,19 @@ def test_files_that_are_not_json_are_named_for_what_they_are(tmp_path):
     assert "--deepspeed" in refusal(str(misnamed))
 
 
+def test_a_json_with_comments_that_deepspeed_reads_is_named_for_what_to_remove(tmp_path):
+    """Was: a DeepSpeed config with a comment and a trailing comma, which DeepSpeed's own
+    reader (hjson) takes, was refused only as "not valid JSON (line 2, column 3: Expecting
+    property name ...)", leaving the user to wonder why DeepSpeed runs it."""
+    f = ds_file(tmp_path, '{\n  // 8 sequences a step\n  "train_batch_size": 8,\n'
+                '  "train_micro_batch_size_per_gpu": 2,\n}\n')
+    msg = refusal("tiny", f)
+    assert "DeepSpeed's own reader (hjson) takes it" in msg, msg
+    assert "comments" in msg and "trailing commas" in msg, msg
+    broken = ds_file(tmp_path, '{"train_batch_size": 8', "broken.json")
+    assert "hjson" not in refusal("tiny", broken)  # broken for DeepSpeed too: plain message
+
+
 def test_hugging_face_auto_means_ds3d_value(tmp_path):
     f = ds_file(tmp_path, {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
                            "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
