@@ -47,11 +47,32 @@ def status_code(err: Ds3dError) -> grpc.StatusCode:
 ANSWERED_BY = ("ds3d-error", "1")
 
 
+# Most bytes of a status message as sent: grpc carries it percent-encoded in a header, and a
+# client drops a call whose headers pass 16 KiB ("Stream removed"), losing the refusal.
+STATUS_MESSAGE_MAX_BYTES = 8192
+
+
+def fitted(message: str) -> str:
+    """`message` cut where its percent-encoded form would pass STATUS_MESSAGE_MAX_BYTES (a
+    refusal that quotes a huge request field still reaches the client, shortened)."""
+    room, size = STATUS_MESSAGE_MAX_BYTES - 64, 0
+    for i, ch in enumerate(message[:STATUS_MESSAGE_MAX_BYTES]):
+        size += sum(1 if 0x20 <= b <= 0x7E and b != 0x25 else 3 for b in ch.encode())
+        if size > room:
+            return f"{message[:i]}... [cut: {len(message)} characters in all]"
+    return message
+
+
+def quoted(value: str, limit: int = 80) -> str:
+    """A request's string as a refusal quotes it: repr, shortened past `limit` characters."""
+    return repr(value) if len(value) <= limit else f"{value[:limit]!r}... ({len(value)} characters)"
+
+
 def _abort(context: grpc.ServicerContext, method: str, exc: BaseException) -> None:
     if isinstance(exc, Ds3dError):
-        log.info("rpc refused", method=method, code=exc.grpc_code, error=str(exc))
+        log.info("rpc refused", method=method, code=exc.grpc_code, error=fitted(str(exc)))
         context.set_trailing_metadata((ANSWERED_BY,))
-        context.abort(status_code(exc), str(exc))
+        context.abort(status_code(exc), fitted(str(exc)))
     ref = uuid.uuid4().hex[:12]
     log.error("rpc failed", method=method, ref=ref, exc_info=exc)
     context.abort(grpc.StatusCode.INTERNAL,

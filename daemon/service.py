@@ -32,6 +32,7 @@ from ds3d.trainer.partition import (
 
 from .ckpt_index import reconcile
 from .commands import Action, Command
+from .errors import quoted
 from .fit_check import check_fit
 from .jobdir import JobDir
 from .peers import PeerClient, check_peer_address
@@ -99,8 +100,9 @@ def event_kinds(kinds: list[str]) -> list[EventKind]:
     """The kinds a WatchEvents request asks for, each checked against the registry."""
     unknown = [k for k in kinds if k not in _EVENT_KINDS]
     if unknown:
-        raise ConfigError(f"event kind(s) {', '.join(map(repr, unknown))} unknown; use one of "
-                          f"{', '.join(EventKind)}")
+        more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+        raise ConfigError(f"event kind(s) {', '.join(map(quoted, unknown[:5]))}{more} unknown; "
+                          f"use one of {', '.join(EventKind)}")
     return [EventKind(k) for k in kinds]
 
 
@@ -386,16 +388,17 @@ class JobService:
         elif source.startswith("rank:"):
             r = source.split(":", 1)[1]
             if not (r.isascii() and r.isdigit()):
-                raise ConfigError(f"logs source {source!r}: use agent, rank:N or nothing")
+                raise ConfigError(f"logs source {quoted(source)}: use agent, rank:N or nothing")
             ranks = sorted({int(p.parent.name) for p in files if p.parent.name.isdigit()})
             files = [p for p in files if p.parent.name == r]
             if not files and ranks:  # not "no logs yet": this rank has none at all
+                shown = r if len(r) <= 20 else f"{r[:20]}... ({len(r)} digits)"
                 raise NotFoundError(
-                    f"no logs of local rank {r} on node {self.node}; its worker logs are of "
+                    f"no logs of local rank {shown} on node {self.node}; its worker logs are of "
                     f"local ranks {', '.join(map(str, ranks))} (rank:N is the rank on this "
                     "node, not the global rank)")
         elif source:
-            raise ConfigError(f"logs source {source!r}: use agent, rank:N or nothing")
+            raise ConfigError(f"logs source {quoted(source)}: use agent, rank:N or nothing")
         n = tail_lines if tail_lines > 0 else 200
         tails: dict[Path, LogTail] = {}
         room = LOGS_ANSWER_MAX_BYTES

@@ -158,6 +158,47 @@ def test_ctl_refusals_exit_2_with_one_message(daemon, what, argv, needle):
     still_serving(daemon)
 
 
+@pytest.mark.parametrize("method, request_, needle", [
+    ("WatchEvents", pb.WatchEventsRequest(name="", kinds=["x" * 1000] * 400),
+     "unknown; use one of"),
+    ("WatchEvents", pb.WatchEventsRequest(name="", kinds=[f"k\u00e9{i}" for i in range(20000)]),
+     "unknown; use one of"),
+    ("GetLogs", pb.GetLogsRequest(name="nosuchjob", source="x"), "no job named"),
+])
+def test_a_refusal_reaches_the_client_whatever_the_request_held(daemon, method, request_, needle):
+    """Was: a refusal that quoted a huge request field (400 unknown event kinds of 1000
+    characters) became a grpc-message header over the 16 KiB a client accepts, and the client
+    got "Stream removed (received metadata size exceeds hard limit)" instead of the refusal.
+    Every refusal is cut to fit, and the values it quotes are shortened."""
+    with pytest.raises(grpc.RpcError) as err:
+        call(daemon, method, request_)
+    assert err.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND), \
+        err.value.details()
+    assert needle in err.value.details() and len(err.value.details()) < 4000, \
+        err.value.details()[:300]
+    still_serving(daemon)
+
+
+def test_a_huge_logs_source_is_refused_readably(daemon):
+    """GetLogs quoted its `source` whole in the refusal (the same metadata limit)."""
+    job_name = "huge-source"
+    channel, stub = daemon.stub()
+    with channel:
+        stub.StartJob(pb.StartJobRequest(config_json=tiny_job_json(name=job_name)), timeout=30,
+                      metadata=daemon.md())
+        for source in ("y" * 500_000, "rank:" + "9" * 500_000):
+            try:
+                stub.GetLogs(pb.GetLogsRequest(name=job_name, source=source), timeout=10,
+                             metadata=daemon.md())
+            except grpc.RpcError as e:
+                assert e.code() in (grpc.StatusCode.INVALID_ARGUMENT,
+                                    grpc.StatusCode.NOT_FOUND), e.details()[:300]
+                assert "(500" in e.details() and len(e.details()) < 4000, e.details()[:300]
+        stub.StopJob(pb.StopJobRequest(name=job_name, now=True), timeout=30,
+                     metadata=daemon.md())
+    still_serving(daemon)
+
+
 def test_followed_watches_past_the_limit_are_refused_and_every_other_call_is_answered(daemon):
     """Was: each WatchEvents with follow holds one of ds3dd's 32 RPC threads until its client
     leaves; 32 of them (forgotten `ds3dctl events -f`, dashboards) left none, and every other
