@@ -15,11 +15,15 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import threading
 from typing import Any
 
 from .errors import ConfigError
 
 _NEVER = 2**31 - 1  # DeepSpeed's steps_per_print when ds3d reports steps itself
+# one parse at a time: it swaps process-wide state (sys.stdout, deepspeed.comm.get_rank, the
+# DeepSpeed logger's level), and ds3dd parses in its RPC threads, several StartJobs at once
+_PARSE_LOCK = threading.Lock()
 
 
 def build_deepspeed_config(cfg: Any, dp: int, load_universal: bool = False) -> dict[str, Any]:
@@ -91,20 +95,21 @@ def _parse_verdict(config: dict[str, Any] | str, dp: int) -> str | None:
     import deepspeed.comm as ds_comm
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    quiet = logging.getLogger("DeepSpeed")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
-    saved = ds_comm.get_rank
-    ds_comm.get_rank = lambda *a, **k: 0  # type: ignore[assignment]
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            DeepSpeedConfig(config, mpu=_DataParallelGroup(dp))
-    except Exception as e:  # noqa: BLE001 - any refusal of DeepSpeed's parser is the verdict
-        return _one_line(e)
-    finally:
-        ds_comm.get_rank = saved  # type: ignore[assignment]
-        quiet.setLevel(level)
-    return None
+    with _PARSE_LOCK:
+        quiet = logging.getLogger("DeepSpeed")
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)
+        saved = ds_comm.get_rank
+        ds_comm.get_rank = lambda *a, **k: 0  # type: ignore[assignment]
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                DeepSpeedConfig(config, mpu=_DataParallelGroup(dp))
+        except Exception as e:  # noqa: BLE001 - any refusal of DeepSpeed's parser is the verdict
+            return _one_line(e)
+        finally:
+            ds_comm.get_rank = saved  # type: ignore[assignment]
+            quiet.setLevel(level)
+        return None
 
 
 def _one_line(e: Exception) -> str:

@@ -154,6 +154,31 @@ def test_a_json_with_comments_that_deepspeed_reads_is_named_for_what_to_remove(t
     assert "hjson" not in refusal("tiny", broken)  # broken for DeepSpeed too: plain message
 
 
+def test_deepspeeds_parser_run_from_threads_leaves_the_process_as_it_found_it():
+    """Was: ds3dd checks a StartJob's DeepSpeed config in the RPC thread, inside
+    redirect_stdout and a patched deepspeed.comm.get_rank, neither of them thread-safe: the
+    first StartJobs at once (DeepSpeed imported by the first, cold) left the daemon's
+    sys.stdout a StringIO and get_rank patched for good. A fresh interpreter, 8 threads."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, threading, logging\n"
+        "from ds3d.trainer.config import build_job_config\n"
+        "from ds3d.trainer.ds_config import check_with_deepspeed\n"
+        "cfg = build_job_config('tiny')\n"
+        "out = sys.stdout\n"
+        "ts = [threading.Thread(target=check_with_deepspeed, args=(cfg,)) for _ in range(8)]\n"
+        "[t.start() for t in ts]; [t.join() for t in ts]\n"
+        "import deepspeed.comm as c\n"
+        "ok = sys.stdout is out and c.get_rank.__name__ != '<lambda>' and "
+        "logging.getLogger('DeepSpeed').level != logging.ERROR\n"
+        "print('restored' if ok else 'leaked', file=sys.__stderr__)\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=120)
+    assert "restored" in r.stderr, r.stderr[-2000:]
+
+
 def test_hugging_face_auto_means_ds3d_value(tmp_path):
     f = ds_file(tmp_path, {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
                            "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
