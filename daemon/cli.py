@@ -692,7 +692,7 @@ def _export(client: Any, args: argparse.Namespace, out: Any) -> None:
                                 + (" and --tokenizer" if args.format == "hf" else ""))
         cfg = JobConfig.load_json(job_json)
         store = store or job_store_url(cfg.checkpoint.store, cfg.name, run_dir)
-        if args.format == "hf":
+        if args.format == "hf" and tokenizer is None:  # a --tokenizer given stays
             tokenizer = cfg.data.tokenizer
     from ds3d.trainer.export import export
 

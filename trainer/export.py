@@ -168,6 +168,14 @@ def export(store_url: str, out_dir: str | Path, step: int | None = None, fmt: st
                               "or leave --tokenizer out")
     from safetensors.torch import save_file
 
+    out = _output_folder(out_dir)  # both checked before a checkpoint is downloaded
+    if tokenizer is not None:
+        from .text_tokenizer import TextTokenizer
+
+        try:
+            TextTokenizer(tokenizer)
+        except ConfigError as e:
+            raise CheckpointError(f"--tokenizer: {e}") from None
     storage = open_storage(store_url)
     with tempfile.TemporaryDirectory(prefix="ds3d-export-") as scratch:
         catalog = Catalog(storage, scratch)
@@ -181,7 +189,6 @@ def export(store_url: str, out_dir: str | Path, step: int | None = None, fmt: st
         job = ds_state.get("ds_config", {})
         tensors = consolidate(tag_dir, m.layout.tp)
         model_cfg = _model_config(tag_dir)
-    out = Path(out_dir)
     dtype = str(next(iter(tensors.values())).dtype).replace("torch.", "")
     summary = {"job": m.job, "step": m.step, "tokens_seen": m.tokens_seen,
                "source_layout": m.layout.model_dump(), "model_hash": m.model_hash,
@@ -207,6 +214,24 @@ def export(store_url: str, out_dir: str | Path, step: int | None = None, fmt: st
     save_file(tensors, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return {**config, "files": ["config.json", "model.safetensors"], "config": config}
+
+
+def _output_folder(out_dir: str | Path) -> Path:
+    """The export's folder, created: an empty --out (an unset shell variable) would write into
+    the current folder, and a path that is a file or cannot be made was a traceback."""
+    if not str(out_dir).strip():
+        raise CheckpointError("the export folder (--out) is empty; give a folder, e.g. "
+                              "--out exports/step-100")
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise CheckpointError(f"--out {str(out)!r} is a file; give a folder for the export") \
+            from None
+    except OSError as e:
+        raise CheckpointError(f"--out {str(out)!r}: cannot create the folder ({e.strerror}); "
+                              "give a folder you can write") from None
+    return out
 
 
 def _read_model_states(tag_dir: Path) -> dict[str, Any]:

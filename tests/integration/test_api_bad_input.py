@@ -199,6 +199,39 @@ def test_a_huge_logs_source_is_refused_readably(daemon):
     still_serving(daemon)
 
 
+@pytest.mark.timeout(300)
+def test_export_checks_its_folder_and_tokenizer_before_downloading(daemon, tmp_path):
+    """Was: `ds3dctl export JOB --format hf --tokenizer T` without --store dropped T for the
+    job's data.tokenizer (none: the export went on without one, saying none was known); an
+    --out that is a file or cannot be made was a traceback after the download; an empty --out
+    (an unset shell variable) wrote into the current folder. All refused first, exit code 2."""
+    job_name = "export-refusals"
+    channel, stub = daemon.stub()
+    with channel:
+        stub.StartJob(pb.StartJobRequest(config_json=tiny_job_json(name=job_name)), timeout=30,
+                      metadata=daemon.md())
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    cases = [
+        (["--format", "hf", "--tokenizer", str(tmp_path / "no-tokenizer.json"),
+          "--out", str(tmp_path / "hf")], f"tokenizer '{tmp_path / 'no-tokenizer.json'}' does "
+         "not exist"),
+        (["--out", str(a_file)], "is a file; give a folder"),
+        (["--out", ""], "the export folder (--out) is empty"),
+    ]
+    try:
+        for argv, needle in cases:
+            r = daemon.ctl("export", job_name, *argv, timeout_s=180)
+            assert r.returncode == 2, (argv, r.stdout, r.stderr)
+            assert needle in r.stderr and "Traceback" not in r.stderr, (argv, r.stderr)
+        assert a_file.read_text() == "x"
+    finally:
+        channel, stub = daemon.stub()
+        with channel:
+            stub.StopJob(pb.StopJobRequest(name=job_name, now=True), timeout=30,
+                         metadata=daemon.md())
+
+
 def test_followed_watches_past_the_limit_are_refused_and_every_other_call_is_answered(daemon):
     """Was: each WatchEvents with follow holds one of ds3dd's 32 RPC threads until its client
     leaves; 32 of them (forgotten `ds3dctl events -f`, dashboards) left none, and every other
