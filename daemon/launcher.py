@@ -26,6 +26,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,10 +37,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from ds3d.trainer.config import JobConfig
 
 from .extension_cache import job_extensions_dir
+from .logging import get_logger
 from .procs import ProcessRef, job_workers, spawn_detached
 from .rendezvous import ETCD_BACKEND
 
 WORKER_MODULE = "ds3d.trainer.worker"
+log = get_logger("ds3d.launcher")
+AGENT_EXIT_GRACE_S = 5.0  # an agent alive this long after writing its result is killed
 
 # c10d rendezvous tuned for fast re-rendezvous after a node loss (FIELD-NOTES: ~8.5 s instead of
 # ~45 s); `is_host=False` because the store lives in its own process (rendezvous.py).
@@ -125,13 +129,26 @@ class AgentHandle:
 
     def poll(self) -> int | None:
         """None while the agent runs; its exit code once it ended; -9 if it ended without a
-        result file (killed, so no code could be recorded)."""
-        if self.popen is not None:
-            code = self.popen.poll()
-            if code is None:
+        result file (killed, so no code could be recorded).
+
+        The result file is the agent's verdict, written once its workers are gone: an agent
+        still alive AGENT_EXIT_GRACE_S after it is stuck in its interpreter's teardown (seen
+        for 15 s and more on a loaded 2-core machine, long enough for the hang detector to
+        take the finished job for a hung one and restart it). Its process group is then
+        killed and the recorded code returned."""
+        running = self.popen.poll() is None if self.popen is not None else self.ref.alive()
+        if running:
+            try:
+                written = self.result_file.stat().st_mtime
+            except FileNotFoundError:
                 return None
-        elif self.ref.alive():
-            return None
+            if time.time() - written < AGENT_EXIT_GRACE_S:
+                return None
+            log.warning("agent_lingered", pid=self.ref.pid, after_result_s=round(
+                time.time() - written, 1), detail="its result was written; killed")
+            self.ref.terminate(grace_s=0)
+            if self.popen is not None:
+                self.popen.poll()
         try:
             return int(json.loads(self.result_file.read_text())["exit_code"])
         except (FileNotFoundError, ValueError, KeyError):

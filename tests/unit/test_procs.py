@@ -3,8 +3,11 @@ the daemon's own agent a stranger (it was then never stopped, and two worker gro
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import psutil
 import pytest
@@ -62,3 +65,39 @@ def test_a_worker_title_round_trips_through_the_command_line_psutil_reads(tmp_pa
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.parametrize("adopted", [False, True], ids=["started_here", "adopted"])
+def test_an_agent_lingering_after_its_result_is_done_with_its_code(tmp_path, monkeypatch,
+                                                                     adopted):
+    """An agent that wrote its result file but does not exit (stuck in interpreter teardown)
+    is running for AGENT_EXIT_GRACE_S, then killed and reported with the recorded code: the
+    finished job must not look hung. Without a result file a live agent is running, however
+    long (a real process, started in its own session as the launcher starts agents)."""
+    import json
+
+    from ds3d.daemon import launcher
+    from ds3d.daemon.launcher import AgentHandle
+    from ds3d.daemon.procs import spawn_detached
+
+    monkeypatch.setattr(launcher, "AGENT_EXIT_GRACE_S", 1.0)
+    result = tmp_path / "agent-1.exit"
+    script = ("import json, sys, time; time.sleep(float(sys.argv[2])); "
+              "open(sys.argv[1], 'w').write(json.dumps({'exit_code': 3})); time.sleep(60)")
+    popen, ref = spawn_detached([sys.executable, "-c", script, str(result), "1.5"],
+                                tmp_path / "agent.log", dict(os.environ), tmp_path)
+    agent = AgentHandle(ref, result, None if adopted else popen)
+    try:
+        assert agent.poll() is None  # no result yet
+        while not result.exists():
+            assert popen.poll() is None
+            time.sleep(0.05)
+        assert json.loads(result.read_text())["exit_code"] == 3
+        assert agent.poll() is None  # within the grace: it may still exit by itself
+        time.sleep(1.2)
+        assert agent.poll() == 3
+        assert popen.wait(timeout=10) in (-signal.SIGTERM, -signal.SIGKILL) and not ref.alive()
+    finally:
+        if popen.poll() is None:
+            popen.kill()
+            popen.wait()
