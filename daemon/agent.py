@@ -50,6 +50,7 @@ from typing import Any
 from ds3d.trainer.exit_codes import EXIT_CONFIG
 
 from .launcher import WORKER_MODULE, AgentSpec
+from .procs import exit_without_teardown
 
 
 def write_result(path: Path, exit_code: int, error: str = "") -> None:
@@ -266,20 +267,6 @@ def main(argv: list[str] | None = None) -> None:
     write_result(result, code, error)
     exit_without_teardown(code)
 
-
-def exit_without_teardown(code: int) -> None:
-    """Ends the agent once its result is recorded, skipping the interpreter's teardown: with
-    torch imported that is one long garbage collection of the whole heap (3.7 s on the 2-core
-    VM, 10-15 s while it is loaded), during which ds3dd sees an agent that has finished but
-    still runs, and its workers' silence reads as a hang. Nothing is left to tear down: the
-    workers are gone, the rendezvous closed, the result written; multiprocessing's resource
-    tracker and the forkserver end by themselves when this process's pipes close."""
-    import logging
-
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ds3d.trainer.errors import Ds3dError
 
-from .procs import ProcessRef, spawn_detached, stop_on_signals
+from .procs import ProcessRef, exit_without_teardown, spawn_detached, stop_on_signals
 
 
 class RendezvousError(Ds3dError):
@@ -120,6 +120,7 @@ def serve(host: str, port: int, port_file: Path) -> None:
     while not stop.wait(0.5):
         pass
     del store
+    exit_without_teardown(0)
 
 
 def main(argv: list[str] | None = None) -> None:
