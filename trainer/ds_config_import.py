@@ -130,7 +130,9 @@ def read_deepspeed_json(path: str | Path) -> dict[str, Any]:
     try:
         data = json.loads(text, object_pairs_hook=no_duplicates)
     except json.JSONDecodeError as e:
-        raise ConfigError(_not_json_message(path, text, e)) from None
+        data = _as_deepspeed_reads_it(text, no_duplicates)
+        if data is None:
+            raise ConfigError(_not_json_message(path, text, e)) from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a DeepSpeed config is a JSON object ({{...}}), "
                           f"not a {type(data).__name__}")
@@ -148,23 +150,31 @@ def _not_json_message(path: Path, text: str, err: json.JSONDecodeError) -> str:
         return (f"{path} is not JSON (it looks like YAML, e.g. a GPT-NeoX config): give a "
                 "GPT-NeoX YAML as `ds3dctl start FILE.yml` or `--neox FILE.yml`, which "
                 "translates it; train.deepspeed_config takes a DeepSpeed JSON only")
-    where = f"line {err.lineno}, column {err.colno}: {err.msg}"
-    if _hjson_object(text):
-        return (f"{path} is not strict JSON ({where}), though DeepSpeed's own reader (hjson) "
-                "takes it: ds3d reads a DeepSpeed config as JSON, so remove its comments, "
-                "trailing commas and unquoted strings")
-    return f"{path} is not valid JSON ({where}); train.deepspeed_config takes a DeepSpeed JSON file"
+    return (f"{path} is not valid JSON (line {err.lineno}, column {err.colno}: {err.msg}); "
+            "train.deepspeed_config takes a DeepSpeed JSON file")
 
 
-def _hjson_object(text: str) -> bool:
-    """Whether DeepSpeed's reader of a config file (hjson: JSON plus comments, trailing commas,
-    unquoted strings) reads `text` as an object."""
+# a config object first: braces after blank lines and hjson's comments (#, //, /* */)
+_BRACED = re.compile(r"\A(?:\s|#[^\n]*|//[^\n]*|/\*.*?\*/)*\{", re.S)
+
+
+def _as_deepspeed_reads_it(text: str, hook: Any) -> dict[str, Any] | None:
+    """A config that is not strict JSON but that DeepSpeed's own reader takes (hjson: JSON
+    with comments, trailing commas, unquoted strings; `DeepSpeedConfig` loads files with it),
+    read the same way, duplicate keys refused as there; None for anything else. Only a braced
+    object: hjson also reads brace-less `key: value` lines, which here are a YAML file (a
+    GPT-NeoX config) or a shell template, refused as such by `_not_json_message`."""
+    if not _BRACED.match(text) or _SHELL_VAR.search(text) or _BARE_WORD.search(text):
+        return None
     try:
         import hjson  # DeepSpeed's dependency
-
-        return isinstance(hjson.loads(text), dict)
-    except (ImportError, ValueError, RecursionError):  # HjsonDecodeError is a ValueError
-        return False
+    except ImportError:
+        return None
+    try:
+        data = hjson.loads(text, object_pairs_hook=hook)
+    except (ValueError, RecursionError):  # HjsonDecodeError is a ValueError
+        return None
+    return data if isinstance(data, dict) else None
 
 
 # ---- translation ----------------------------------------------------------------------------

@@ -141,17 +141,28 @@ def test_files_that_are_not_json_are_named_for_what_they_are(tmp_path):
     assert "--deepspeed" in refusal(str(misnamed))
 
 
-def test_a_json_with_comments_that_deepspeed_reads_is_named_for_what_to_remove(tmp_path):
-    """Was: a DeepSpeed config with a comment and a trailing comma, which DeepSpeed's own
+def test_a_config_with_comments_that_deepspeed_reads_is_read_as_deepspeed_reads_it(tmp_path):
+    """Was: a DeepSpeed config with comments and a trailing comma, which DeepSpeed's own
     reader (hjson) takes, was refused only as "not valid JSON (line 2, column 3: Expecting
-    property name ...)", leaving the user to wonder why DeepSpeed runs it."""
-    f = ds_file(tmp_path, '{\n  // 8 sequences a step\n  "train_batch_size": 8,\n'
-                '  "train_micro_batch_size_per_gpu": 2,\n}\n')
-    msg = refusal("tiny", f)
-    assert "DeepSpeed's own reader (hjson) takes it" in msg, msg
-    assert "comments" in msg and "trailing commas" in msg, msg
+    property name ...)", leaving the user to wonder why DeepSpeed runs it. It is read as
+    DeepSpeed reads it: the same job as its strict-JSON twin; a duplicate key is still
+    refused; what DeepSpeed cannot read either keeps the plain refusal."""
+    loose = ds_file(tmp_path, '# from our launch scripts\n{\n  // 8 sequences a step\n'
+                    '  "train_batch_size": 8,\n  /* per GPU */ "train_micro_batch_size_per_gpu": 2,'
+                    '\n  "bf16": {"enabled": true,},\n}\n')
+    strict = ds_file(tmp_path, {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
+                                "bf16": {"enabled": True}}, "strict.json")
+    cfg = job("tiny", loose)
+    assert cfg.train.model_dump(exclude={"deepspeed_config"}) == \
+        job("tiny", strict).train.model_dump(exclude={"deepspeed_config"})
+    assert (cfg.train.global_batch_size, cfg.train.micro_batch_size) == (8, 2)
+    twice = ds_file(tmp_path, '{\n  "train_batch_size": 8, // first\n  "train_batch_size": 16,\n}',
+                    "twice.json")
+    assert "appears twice" in refusal("tiny", twice)
     broken = ds_file(tmp_path, '{"train_batch_size": 8', "broken.json")
-    assert "hjson" not in refusal("tiny", broken)  # broken for DeepSpeed too: plain message
+    assert "is not valid JSON" in refusal("tiny", broken)
+    template = ds_file(tmp_path, '{\n  "train_batch_size": $BATCH, // filled in\n}', "t.json")
+    assert "shell template" in refusal("tiny", template)
 
 
 def test_deepspeeds_parser_run_from_threads_leaves_the_process_as_it_found_it():
