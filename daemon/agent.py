@@ -268,6 +268,5 @@ def main(argv: list[str] | None = None) -> None:
     exit_without_teardown(code)
 
 
-
 if __name__ == "__main__":
     main()

@@ -217,11 +217,11 @@ def stop_on_signals() -> threading.Event:
 def exit_without_teardown(code: int) -> None:
     """Ends a helper process that imported torch (the agent, the rendezvous store) once its
     work is recorded, skipping the interpreter's teardown: with torch imported that is one
-    long garbage collection of the whole heap (3.7 s on the 2-core VM, 10-15 s while it is
-    loaded), during which ds3dd sees a process that has finished but still runs (an agent's
-    workers' silence then read as a hang; a store's stop waited out its grace). Logging and
-    stdio are flushed; multiprocessing's resource tracker and a forkserver end by themselves
-    when this process's pipes close."""
+    long garbage collection of the whole heap (3.7-8.8 s measured on the 2-core VM beside
+    other work, 15 s and more in a CI run), during which ds3dd sees a process that has
+    finished but still runs (an agent's workers' silence then read as a hang; a store's stop
+    waited out its grace). Logging and stdio are flushed; multiprocessing's resource tracker
+    and a forkserver end by themselves when this process's pipes close."""
     import logging
 
     logging.shutdown()
