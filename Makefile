@@ -34,9 +34,10 @@ $(VENV)/.installed: pyproject.toml setup.py
 	touch $@
 
 # DeepSpeed JIT-builds its shared-memory comm op (~40 s) on first init; build it once, up front,
-# so parallel first inits do not queue on the build lock inside tests.
+# so parallel first inits do not queue on the build lock inside tests. A stale build lock in the
+# cache (a process killed while it held it) is cleared first: torch would wait on it forever.
 warm: setup
-	$(BIN)/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
+	$(BIN)/python -m ds3d.daemon.extension_cache
 
 lint: setup
 	@mkdir -p $(TYPECHECK)/ds3d

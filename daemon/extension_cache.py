@@ -180,3 +180,53 @@ def prepare(job_root: Path, warm: Path) -> tuple[list[BuildLock], list[str]]:
     job_root.mkdir(parents=True, exist_ok=True)
     cleared = clear_stale_locks(job_root)
     return cleared, seed(job_root, warm)
+
+
+def wait_for_live_builds(root: Path, timeout_s: float, poll_s: float = 1.0) -> list[BuildLock]:
+    """Waits until no live process holds a build lock under `root`; returns the locks still
+    held after `timeout_s` (empty: none). Stale locks are not waited for (clear them first)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        held = [lock for lock in find_locks([root]) if not lock.stale]
+        if not held or time.monotonic() >= deadline:
+            return held
+        time.sleep(poll_s)
+
+
+def warm_cache(configured: str | None, timeout_s: float) -> int:
+    """Builds DeepSpeed's JIT op into the warm cache the jobs are seeded from (`make warm`, an
+    operator's ExecStartPre). A stale lock there (a process killed while it built or checked the
+    op) would make the build wait forever, `FileBaton.wait` has no timeout: it is cleared first,
+    and a lock a live process holds for longer than `timeout_s` is refused with its holder.
+    Returns the exit status."""
+    root = warm_root(configured)
+    for lock in clear_stale_locks(root):
+        print(f"extension cache: cleared the {lock.describe()}", flush=True)
+    held = wait_for_live_builds(root, timeout_s)
+    if held:
+        print("extension cache: not warmed: " + "; ".join(lock.describe() for lock in held)
+              + f" (still held after {timeout_s:.0f} s). End that process or wait for its build, "
+              "then run this again.", file=sys.stderr, flush=True)
+        return 1
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(root))
+    from deepspeed.comm.torch import build_shm_op
+
+    build_shm_op()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(
+        prog="python -m ds3d.daemon.extension_cache",
+        description="Build DeepSpeed's JIT op into the warm cache ds3dd seeds each job from "
+                    "(TORCH_EXTENSIONS_DIR, else torch's default), clearing stale build locks.")
+    ap.add_argument("--timeout", type=float, default=900.0,
+                    help="seconds to wait for a build another live process runs (default 900)")
+    args = ap.parse_args(argv)
+    sys.exit(warm_cache(os.environ.get("TORCH_EXTENSIONS_DIR") or None, args.timeout))
+
+
+if __name__ == "__main__":
+    main()

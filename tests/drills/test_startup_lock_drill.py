@@ -186,3 +186,37 @@ def test_startup_fault_names_a_lock_left_by_a_killed_holder(tmp_path):
 
     assert [c.path for c in clear_stale_locks(ext)] == [lock]
     assert not (ext / OP).exists()  # the interrupted build's folder goes with its lock
+
+
+def _warm(ext: Path, timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """`make warm`'s command against the warm cache `ext`."""
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(ext), "DS_ACCELERATOR": "cpu"}
+    return subprocess.run([sys.executable, "-m", "ds3d.daemon.extension_cache",
+                           "--timeout", str(timeout_s)],
+                          env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.timeout(660)
+def test_warming_the_cache_clears_a_killed_holders_lock_and_waits_on_no_live_one(tmp_path):
+    """The CI of 12-06 hung 90 minutes in `make warm`: a lock left in the shared cache by a
+    process killed during an earlier build, and torch's FileBaton waits on it forever."""
+    ext = tmp_path / "torch_extensions"
+    (ext / OP).mkdir(parents=True)
+    lock = ext / OP / "lock"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(lock)],
+                              stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline().strip() == b"held"
+        refused = _warm(ext, timeout_s=1)
+        assert refused.returncode == 1, refused.stderr
+        assert f"build lock {lock} held for" in refused.stderr
+        assert f"by pid {holder.pid}" in refused.stderr and lock.exists()
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert lock.exists()  # the killed holder's lock stays: what hung CI
+
+    warmed = _warm(ext, timeout_s=1)
+    assert warmed.returncode == 0, warmed.stderr
+    assert f"cleared the stale build lock {lock}" in warmed.stdout
+    assert not lock.exists() and (ext / OP / f"{OP}.so").is_file()
