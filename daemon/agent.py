@@ -19,7 +19,9 @@ Two hooks on torch elastic's `LocalElasticAgent` (`Ds3dAgent`; its restart loop 
 
 and one on its rendezvous: the workers' MASTER_PORT is drawn outside the kernel's ephemeral port
 range and held by the agent while global rank 0 binds it (daemon/ports.py), so no bind(0) on the
-host can take it first. All three are installed by `_install_hooks`.
+host can take it first. All three are installed by `_install_hooks`. Before its first rendezvous
+the agent of a multi-node job waits for the agents of the other nodes started this attempt
+(daemon/arrivals.py), so that a late one does not miss the round.
 
 Workers are forked, not exec'd: the agent runs its entry as a function under torch elastic's
 multiprocessing context with the "forkserver" start method, and the forkserver imports torch,
@@ -167,6 +169,8 @@ def run(spec: AgentSpec) -> tuple[int, str]:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     _install_hooks(extensions, Path(spec.pid_file).with_suffix(RECORD_SUFFIX))
+    if spec.max_nodes > 1:
+        _meet_the_other_agents(spec)
     config = LaunchConfig(
         min_nodes=spec.min_nodes,
         max_nodes=spec.max_nodes,
@@ -187,6 +191,26 @@ def run(spec: AgentSpec) -> tuple[int, str]:
     except ChildFailedError as e:
         return failure_result(e.failures)
     return 0, ""
+
+
+def _meet_the_other_agents(spec: AgentSpec) -> None:
+    """Waits for the agents of every node started this attempt (arrivals.py) so that none
+    misses the rendezvous's first round. A store that cannot be reached is left to the
+    rendezvous, which reports it with torch's own error."""
+    from .arrivals import meet, rendezvous_store
+
+    try:
+        store = rendezvous_store(spec.rdzv_backend, spec.rdzv_endpoint, spec.run_id,
+                                 spec.min_nodes, spec.max_nodes, dict(spec.rdzv_configs))
+        arrived, expected, waited = meet(store, spec.run_id, spec.expected_nodes)
+    except Exception as e:  # noqa: BLE001 - the rendezvous itself reports the store's trouble
+        print(f"ds3d agent: no arrival check before the rendezvous ({type(e).__name__}: {e})",
+              flush=True)
+        return
+    complete = expected is not None and arrived >= expected
+    print(f"ds3d agent: {arrived} of {expected if expected is not None else '?'} nodes' agents "
+          f"arrived after {waited:.1f} s" + ("" if complete else
+          ": the rendezvous forms without the others (min_nodes)"), flush=True)
 
 
 # Imported by the forkserver before any worker is forked: everything the trainer imports that

@@ -90,6 +90,9 @@ class AgentSpec(BaseModel):
     extensions_dir: str | None = Field(default=None, description="the job's own "
                                        "TORCH_EXTENSIONS_DIR, seeded from warm_extensions_dir")
     warm_extensions_dir: str | None = None
+    expected_nodes: int | None = Field(default=None, ge=1, description="the head's agent: the "
+                                       "nodes started this attempt, whose agents it waits for "
+                                       "before the rendezvous (arrivals.py); None elsewhere")
 
     @classmethod
     def standalone(cls, run_dir: Path, nproc_per_node: int, port: int, max_restarts: int,
@@ -167,8 +170,10 @@ class Launcher:
         self.node_addr = node_addr
 
     def start(self, run_dir: Path, cfg: JobConfig, attempt: int, rdzv_endpoint: str,
-              run_id: str, local_addr: str | None = None) -> AgentHandle:
-        """Writes `control/agent-<attempt>.json` and starts the agent on it."""
+              run_id: str, local_addr: str | None = None,
+              expected_nodes: int | None = None) -> AgentHandle:
+        """Writes `control/agent-<attempt>.json` and starts the agent on it. The head passes
+        `expected_nodes` (the nodes started this attempt, itself included)."""
         nnodes = cfg.launch.nnodes
         nproc = cfg.launch.nproc_per_node or cfg.parallel.world_size // nnodes
         control = run_dir / "control"
@@ -185,7 +190,8 @@ class Launcher:
             log_dir=str(run_dir / "logs" / f"attempt-{attempt}"), result_file=str(result_file),
             pid_file=str(control / f"agent-{attempt}.pid"), local_addr=local_addr or self.node_addr,
             extensions_dir=str(job_extensions_dir(run_dir)),
-            warm_extensions_dir=os.environ.get("TORCH_EXTENSIONS_DIR") or None)
+            warm_extensions_dir=os.environ.get("TORCH_EXTENSIONS_DIR") or None,
+            expected_nodes=expected_nodes if nnodes > 1 else None)
         spec_file = control / f"agent-{attempt}.json"
         spec.write(spec_file)
         env = dict(os.environ)

@@ -66,12 +66,12 @@ class JobNodes:
         """A node answers again: call it at once."""
         self._backoff.pop(address, None)
 
-    def start_shares(self, cfg: JobConfig, endpoint: str, run_id: str, attempt: int) -> None:
-        """Starts each other node's agent of this attempt. An elastic job starts without the
-        nodes it can spare (recorded as a `node_lost` fault); otherwise an unreachable node
-        raises PeerError."""
+    def start_shares(self, cfg: JobConfig, endpoint: str, run_id: str, attempt: int) -> int:
+        """Starts each other node's agent of this attempt; returns how many started. An
+        elastic job starts without the nodes it can spare (recorded as a `node_lost` fault);
+        otherwise an unreachable node raises PeerError."""
         if cfg.launch.nnodes <= 1 or self.peers is None:
-            return
+            return 0
         req = pb.StartShareRequest(config_json=cfg.dump_json(), head_node=self.head_node,
                                    rdzv_endpoint=endpoint, run_id=run_id, attempt=attempt,
                                    leader_token=self.leader_token())
@@ -96,6 +96,7 @@ class JobNodes:
                               f"{cfg.launch.nnodes - len(missing)} (min_nodes "
                               f"{cfg.launch.min_nodes})", cause="node_lost")
             self.metrics.faults.labels(self.name, "node_lost").inc()
+        return len(cfg.launch.hosts) - 1 - len(missing)
 
     def stop_shares(self, cfg: JobConfig) -> None:
         """The job ended: no share of it may keep running on another node."""

@@ -536,22 +536,24 @@ class JobSupervisor:
             self.store.update(self.name, attempt=attempt, command_acked=job.command_id)
             endpoint = self._ensure_rdzv(job)
             run_id = rendezvous_run_id(self.name, attempt, job.job_id, bool(cfg.launch.rendezvous))
-            self.agent = self.ctx.launcher.start(self.jobdir.path, cfg, attempt, endpoint,
-                                                 run_id)
-        assert self.agent is not None
-        self.store.record(self.name, EventKind.LAUNCH,
-                          f"agent attempt {attempt} pid {self.agent.ref.pid}",
-                          agent_pid=self.agent.ref.pid, agent_started=self.agent.ref.started)
-        self.log.info("agent started", attempt=attempt, pid=self.agent.ref.pid)
-        if started_new:
+            # the other nodes first: this node's agent waits for as many agents as started
+            # (arrivals.py), so that none misses the rendezvous's first round
             try:
-                self.nodes.start_shares(cfg, endpoint, run_id, attempt)
+                others = self.nodes.start_shares(cfg, endpoint, run_id, attempt)
             except PeerError as e:
                 fault = Fault("node_lost", str(e), restart=True)
                 self.store.record(self.name, EventKind.FAULT, fault.message, cause=fault.cause)
                 self.ctx.metrics.faults.labels(self.name, fault.cause).inc()
                 self.log.warning("fault", cause=fault.cause, detail=fault.message)
                 self._restart_or_fail(self.store.get_job(self.name), fault)
+                return
+            self.agent = self.ctx.launcher.start(self.jobdir.path, cfg, attempt, endpoint,
+                                                 run_id, expected_nodes=1 + others)
+        assert self.agent is not None
+        self.store.record(self.name, EventKind.LAUNCH,
+                          f"agent attempt {attempt} pid {self.agent.ref.pid}",
+                          agent_pid=self.agent.ref.pid, agent_started=self.agent.ref.started)
+        self.log.info("agent started", attempt=attempt, pid=self.agent.ref.pid)
 
     def _ensure_rdzv(self, job: Job) -> str:
         endpoints = self._config(job).launch.etcd_endpoints
