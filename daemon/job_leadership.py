@@ -134,11 +134,12 @@ class JobRecord:
 
 
 def read_record(client: Any, key: str) -> tuple[JobRecord | None, int]:
-    """The job's record and its modifiedIndex (None, 0 when there is none)."""
+    """The job's record and its modifiedIndex (None, 0 when there is none). A quorum read: etcd
+    v2 otherwise answers from the member's own copy, which may lag the leader's."""
     import etcd
 
     try:
-        r = client.read(f"{key}/record")
+        r = client.read(f"{key}/record", quorum=True)
     except etcd.EtcdKeyNotFound:
         return None, 0
     return JobRecord.parse(r.value), int(r.modifiedIndex)
@@ -149,7 +150,7 @@ def lease_holder(client: Any, key: str) -> str:
     import etcd
 
     try:
-        return str(client.read(f"{key}/leader").value)
+        return str(client.read(f"{key}/leader", quorum=True).value)
     except etcd.EtcdKeyNotFound:
         return ""
 

@@ -89,7 +89,7 @@ def new_leader(client, key: str, candidates: list[DaemonProc]) -> DaemonProc:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and holder not in [d.addr for d in candidates]:
         try:
-            holder = client.read(f"{key}/leader").value
+            holder = client.read(f"{key}/leader", quorum=True).value
         except Exception:  # noqa: BLE001 - nobody holds it yet
             holder = ""
         time.sleep(0.2)
@@ -169,7 +169,7 @@ def test_head_node_lost_a_survivor_leads_and_the_job_completes(cluster, tmp_path
     assert re.search(r"noticed [\d.]+ s after the last step \(daemon\), training again "
                      r"[\d.]+ s later from step \d+", recovered[0]["message"]), recovered
     # etcd's record: the new leader's, terminal, with a later token than the old one's
-    record = JobRecord.parse(client.read(f"{key}/record").value)
+    record = JobRecord.parse(client.read(f"{key}/record", quorum=True).value)
     assert record.leader == leader_addr and record.state == "COMPLETED"
     lost_detail = next(e["detail"] for e in leader.event_details("fo")
                        if e["kind"] == "fault" and e["cause"] == "leader_lost")
@@ -248,7 +248,7 @@ def test_frozen_head_loses_the_lease_then_follows_and_never_writes_again(cluster
     try:
         start_job(members, daemons, tmp_path / "shared-store", steps=60)
         key = _job_key(client, "fo")
-        assert client.read(f"{key}/leader").value == a.addr
+        assert client.read(f"{key}/leader", quorum=True).value == a.addr
 
         # the workers are frozen while the lease expires (6 s) and a survivor takes it: the job's
         # last 50 steps must not end under the frozen head on a fast host; thawed once a new
