@@ -46,6 +46,7 @@ import multiprocessing
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -244,7 +245,11 @@ def run_module_as_main(module: str, run_dir: str, *args: str) -> None:
     setproctitle.setproctitle(str(WorkerTitle(module, run_dir, int(os.environ["RANK"]),
                                               int(os.environ["LOCAL_RANK"]))))
     sys.argv = [module, "--run-dir", run_dir, *args]
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    with warnings.catch_warnings():
+        # run as `python -m` would, though the forkserver preloaded the module: expected here
+        warnings.filterwarnings("ignore", message=r".* found in sys\.modules after import",
+                                category=RuntimeWarning)
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
 def failure_result(failures: dict[int, Any]) -> tuple[int, str]:
@@ -292,5 +297,19 @@ def main(argv: list[str] | None = None) -> None:
     exit_without_teardown(code)
 
 
+def _run_as_imported_module() -> None:
+    """`python -m ds3d.daemon.agent` runs this file as `__main__`; multiprocessing would then
+    re-run it as `__mp_main__` in every worker the forkserver starts (and runpy warned that it
+    was preloaded there already, once per worker). The agent runs from the module under its own
+    name instead, whose functions the workers unpickle from the preloaded copy, and `__main__`
+    is left nothing multiprocessing could re-run."""
+    import importlib
+
+    entry = sys.modules["__main__"]
+    entry.__spec__ = None
+    entry.__dict__.pop("__file__", None)
+    importlib.import_module("ds3d.daemon.agent").main()
+
+
 if __name__ == "__main__":
-    main()
+    _run_as_imported_module()
