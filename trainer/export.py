@@ -166,9 +166,22 @@ def export(store_url: str, out_dir: str | Path, step: int | None = None, fmt: st
     if tokenizer is not None and fmt != "hf":
         raise CheckpointError("a tokenizer is written only with the hf format; add --format hf "
                               "or leave --tokenizer out")
+    out, created = _output_folder(out_dir)  # both checked before a checkpoint is downloaded
+    try:
+        return _export_into(out, store_url, step, fmt, tokenizer)
+    except BaseException:
+        for folder in reversed(created):  # a failed export leaves no empty folder behind
+            try:
+                folder.rmdir()
+            except OSError:
+                break  # not empty (something else was written there): kept
+        raise
+
+
+def _export_into(out: Path, store_url: str, step: int | None, fmt: str,
+                 tokenizer: str | None) -> dict[str, Any]:
     from safetensors.torch import save_file
 
-    out = _output_folder(out_dir)  # both checked before a checkpoint is downloaded
     if tokenizer is not None:
         from .text_tokenizer import TextTokenizer
 
@@ -216,13 +229,15 @@ def export(store_url: str, out_dir: str | Path, step: int | None = None, fmt: st
     return {**config, "files": ["config.json", "model.safetensors"], "config": config}
 
 
-def _output_folder(out_dir: str | Path) -> Path:
-    """The export's folder, created: an empty --out (an unset shell variable) would write into
-    the current folder, and a path that is a file or cannot be made was a traceback."""
+def _output_folder(out_dir: str | Path) -> tuple[Path, list[Path]]:
+    """The export's folder, created, and the folders made for it (outermost first): an empty
+    --out (an unset shell variable) would write into the current folder, and a path that is a
+    file or cannot be made was a traceback."""
     if not str(out_dir).strip():
         raise CheckpointError("the export folder (--out) is empty; give a folder, e.g. "
                               "--out exports/step-100")
     out = Path(out_dir)
+    created = [p for p in (out, *out.parents) if not p.exists()][::-1]
     try:
         out.mkdir(parents=True, exist_ok=True)
     except FileExistsError:
@@ -231,7 +246,7 @@ def _output_folder(out_dir: str | Path) -> Path:
     except OSError as e:
         raise CheckpointError(f"--out {str(out)!r}: cannot create the folder ({e.strerror}); "
                               "give a folder you can write") from None
-    return out
+    return out, created
 
 
 def _read_model_states(tag_dir: Path) -> dict[str, Any]:

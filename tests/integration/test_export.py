@@ -50,7 +50,12 @@ def test_export_refuses_a_missing_step(tmp_path):
 
     (tmp_path / "store").mkdir()
     with pytest.raises(CheckpointError, match="no complete, verified checkpoint of step 7"):
-        export(f"file://{tmp_path}/store", tmp_path / "out", step=7)
+        export(f"file://{tmp_path}/store", tmp_path / "exports" / "out", step=7)
+    assert not (tmp_path / "exports").exists()  # the folders made for it are gone again
+    (tmp_path / "mine").mkdir()
+    with pytest.raises(CheckpointError, match="no complete, verified checkpoint of step 7"):
+        export(f"file://{tmp_path}/store", tmp_path / "mine", step=7)
+    assert (tmp_path / "mine").is_dir()  # a folder that was there stays
 
 
 def _fp32_by_deepspeed(local_dir):
