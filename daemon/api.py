@@ -10,6 +10,7 @@ leaves out (and logs) a shared job whose head does not answer.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -27,7 +28,7 @@ from ds3d.v1 import control_pb2 as pb
 from ds3d.v1 import control_pb2_grpc as pb_grpc
 
 from . import job_pages
-from .errors import WatchLimitError
+from .errors import LongCallLimitError
 from .job_leadership import LEASE_TTL_S
 from .logging import get_logger
 from .peers import HeadReplacingError, PeerClient, PeerError, Shares
@@ -38,6 +39,7 @@ R = TypeVar("R")  # a forwarded RPC's answer type
 
 VERSION = "0.1.0"
 _TERMINAL = (pb.COMPLETED, pb.FAILED, pb.STOPPED)
+VERIFIES_MAX = 2  # checkpoint verifies (ListCheckpoints verify) served at once
 log = get_logger("ds3d.rpc")
 
 
@@ -177,6 +179,11 @@ class ControlServicer(pb_grpc.ControlServicer):
         self.started_at = time.time()
         self.followed_watches_max = followed_watches_max
         self._watch_slots = threading.BoundedSemaphore(followed_watches_max)
+        # a checkpoint verify reads and hashes every file of every checkpoint (minutes on a
+        # big store) in an RPC thread: two at once, one per job
+        self._verify_slots = threading.BoundedSemaphore(VERIFIES_MAX)
+        self._verifying: set[str] = set()
+        self._verifying_lock = threading.Lock()
 
     def _head(self, name: str) -> str | None:
         """The head daemon's address when `name` is not headed here but this node runs (or
@@ -282,7 +289,7 @@ class ControlServicer(pb_grpc.ControlServicer):
         if request.after_seq < 0 or request.step_every < 0:
             raise ConfigError("after_seq and step_every must be 0 or more")
         if request.follow and not self._watch_slots.acquire(blocking=False):
-            raise WatchLimitError(
+            raise LongCallLimitError(
                 f"{self.followed_watches_max} event watches that follow are open on this "
                 "daemon, the most it serves at once (so that every other call keeps an "
                 "answer); end one (a `ds3dctl events --follow` left running?), or watch "
@@ -302,12 +309,37 @@ class ControlServicer(pb_grpc.ControlServicer):
         if fwd is not None:
             return fwd
         name = _name(request.name)
-        rows, changes = self.service.checkpoints(name, verify=request.verify)
+        if request.verify:
+            with self._verification(name):
+                rows, changes = self.service.checkpoints(name, verify=True)
+        else:
+            rows, changes = self.service.checkpoints(name)
         return pb.ListCheckpointsResponse(checkpoints=[
             pb.Checkpoint(step=c.step, phase=c.phase, path=c.path, time=c.time,
                           blocked_s=c.blocked_s, present=self.service.checkpoint_present(name, c),
                           detail=c.detail)
             for c in rows], changes=changes)
+
+    @contextlib.contextmanager
+    def _verification(self, name: str) -> Iterator[None]:
+        """A slot for one checkpoint verify of job `name`, or LongCallLimitError."""
+        with self._verifying_lock:
+            if name in self._verifying:
+                raise LongCallLimitError(
+                    f"a verify of {name}'s checkpoints is under way; its changes are in the "
+                    f"index when it ends: `ds3dctl checkpoints {name}` then shows them")
+            if not self._verify_slots.acquire(blocking=False):
+                raise LongCallLimitError(
+                    f"{VERIFIES_MAX} checkpoint verifies run on this daemon, the most it serves "
+                    "at once (so that every other call keeps an answer); try again when one "
+                    "has ended")
+            self._verifying.add(name)
+        try:
+            yield
+        finally:
+            with self._verifying_lock:
+                self._verifying.discard(name)
+                self._verify_slots.release()
 
     def SaveCheckpoint(self, request: pb.SaveCheckpointRequest,
                        context: grpc.ServicerContext) -> pb.SaveCheckpointResponse:

@@ -29,9 +29,10 @@ class UnauthenticatedError(PermissionError_):
     grpc_code = "UNAUTHENTICATED"
 
 
-class WatchLimitError(Ds3dError):
-    """Every slot for a followed event watch is taken: each holds one of the daemon's RPC
-    threads for as long as it runs, so past the limit no other call would get an answer."""
+class LongCallLimitError(Ds3dError):
+    """Every slot for a long call is taken (a followed event watch, a checkpoint verify): each
+    holds one of the daemon's RPC threads for as long as it runs, so past the limit no other
+    call would get an answer."""
 
     grpc_code = "RESOURCE_EXHAUSTED"
     retryable = True
