@@ -141,6 +141,17 @@ time.sleep(3600)
 '''
 
 
+def _lock_held_by_a_live_process(tmp_path: Path) -> tuple[Path, Path, subprocess.Popen[bytes]]:
+    """(extensions folder, its op's build lock, the live process holding it)."""
+    ext = tmp_path / "torch_extensions"
+    (ext / OP).mkdir(parents=True)
+    lock = ext / OP / "lock"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(lock)],
+                              stdout=subprocess.PIPE)
+    assert holder.stdout is not None and holder.stdout.readline().strip() == b"held"
+    return ext, lock, holder
+
+
 @dataclass
 class _Job:
     """The fields StartupDetector reads."""
@@ -155,13 +166,8 @@ class _Job:
 
 @pytest.mark.timeout(120)
 def test_startup_fault_names_a_lock_left_by_a_killed_holder(tmp_path):
-    ext = tmp_path / "torch_extensions"
-    (ext / OP).mkdir(parents=True)
-    lock = ext / OP / "lock"
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(lock)],
-                              stdout=subprocess.PIPE)
+    ext, lock, holder = _lock_held_by_a_live_process(tmp_path)
     try:
-        assert holder.stdout.readline().strip() == b"held"
         [live] = find_locks([ext])
         assert live.holders == (holder.pid,) and not live.stale
         assert clear_stale_locks(ext) == [] and lock.exists()  # a live holder's lock stays
@@ -200,13 +206,8 @@ def _warm(ext: Path, timeout_s: float) -> subprocess.CompletedProcess[str]:
 def test_warming_the_cache_clears_a_killed_holders_lock_and_waits_on_no_live_one(tmp_path):
     """The CI of 12-06 hung 90 minutes in `make warm`: a lock left in the shared cache by a
     process killed during an earlier build, and torch's FileBaton waits on it forever."""
-    ext = tmp_path / "torch_extensions"
-    (ext / OP).mkdir(parents=True)
-    lock = ext / OP / "lock"
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(lock)],
-                              stdout=subprocess.PIPE)
+    ext, lock, holder = _lock_held_by_a_live_process(tmp_path)
     try:
-        assert holder.stdout.readline().strip() == b"held"
         refused = _warm(ext, timeout_s=1)
         assert refused.returncode == 1, refused.stderr
         assert f"build lock {lock} held for" in refused.stderr
