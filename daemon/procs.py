@@ -127,7 +127,24 @@ def kill_group(pgid: int, timeout_s: float = 5.0) -> list[int]:
                 killed.add(p.pid)
             except psutil.NoSuchProcess:
                 pass
-        psutil.wait_procs(members, timeout=0.5)
+        wait_gone(members, timeout_s=0.5)
+
+
+def wait_gone(procs: list[psutil.Process], timeout_s: float) -> None:
+    """Waits until each of `procs` has exited (a zombie counts), without reaping any: unlike
+    psutil.wait_procs, which reaps the caller's own children with waitpid, so that their Popen
+    then read ECHILD and took it for exit code 0 (an agent SIGKILLed by ds3dd "exited 0")."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        live = False
+        for p in procs:
+            try:
+                live = live or p.status() != psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                continue
+        if not live:
+            return
+        time.sleep(0.02)
 
 
 def group_members(pgid: int) -> list[psutil.Process]:

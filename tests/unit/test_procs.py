@@ -101,3 +101,14 @@ def test_an_agent_lingering_after_its_result_is_done_with_its_code(tmp_path, mon
         if popen.poll() is None:
             popen.kill()
             popen.wait()
+
+
+def test_killing_a_group_leaves_its_exit_status_to_the_parent(tmp_path):
+    """kill_group waited with psutil.wait_procs, which reaps the caller's own children: the
+    Popen of an agent ds3dd had SIGKILLed then read ECHILD and reported exit code 0."""
+    from ds3d.daemon.procs import kill_group, spawn_detached
+
+    popen, ref = spawn_detached([sys.executable, "-c", "import time; time.sleep(60)"],
+                                tmp_path / "child.log", dict(os.environ), tmp_path)
+    assert kill_group(ref.pid) == [ref.pid] and not ref.alive()
+    assert popen.wait(timeout=10) == -signal.SIGKILL
