@@ -6,6 +6,7 @@ from the same table that the supervisor obeys (StateError -> FAILED_PRECONDITION
 
     PENDING -> STARTING -> RUNNING <-> PAUSED
     RUNNING -> RECOVERING -> RUNNING
+    RECOVERING -> RECOVERING      (the relaunch failed too: the next restart, under the budget)
     PAUSED -> STARTING            (resume: workers start again and load the newest checkpoint)
     STARTING | RECOVERING -> PAUSED   (a pause accepted while RUNNING that lands during a restart)
     any live state -> COMPLETED | FAILED | STOPPED
@@ -53,7 +54,8 @@ TRANSITIONS: dict[JobState, frozenset[JobState]] = {
                                   *_ENDINGS}),
     JobState.RUNNING: frozenset({JobState.PAUSED, JobState.RECOVERING, *_ENDINGS}),
     JobState.PAUSED: frozenset({JobState.RUNNING, JobState.STARTING, *_ENDINGS}),
-    JobState.RECOVERING: frozenset({JobState.RUNNING, JobState.PAUSED, *_ENDINGS}),
+    JobState.RECOVERING: frozenset({JobState.RUNNING, JobState.RECOVERING, JobState.PAUSED,
+                                    *_ENDINGS}),
     JobState.COMPLETED: frozenset(),
     JobState.FAILED: frozenset(),
     JobState.STOPPED: frozenset(),

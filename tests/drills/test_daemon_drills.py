@@ -344,19 +344,24 @@ def test_config_refused_by_the_workers_fails_at_once(daemon, tmp_path):
 def test_crash_loop_ends_failed_after_the_restart_budget(daemon, tmp_path):
     """A data file with an odd number of bytes for uint16 tokens: numpy raises at every start of
     the worker (a real crash, exit code 1); after launch.max_restarts relaunches the job is
-    FAILED with the cause and the workers' error in its message."""
+    FAILED with the cause and the workers' error in its message. The second relaunch is made
+    from RECOVERING (its predecessor failed before training): that transition was refused, and
+    the job stayed RECOVERING for good (CI of 12-06, a failed take-back relaunch)."""
     data = tmp_path / "odd.bin"
     data.write_bytes(bytes(4097))
     start(daemon, "loop", *ONE_WORKER, "--set", f"data.source={data}",
-          "--set", "launch.max_restarts=1")
+          "--set", "launch.max_restarts=2")
     job = daemon.wait_state("loop", "FAILED", "COMPLETED", timeout_s=800)
     assert job["state"] == "FAILED", logs(daemon, "loop")
     msg = job["message"]
     assert "restart budget spent" in msg and "agent_exit" in msg, msg
     assert "ValueError" in msg, msg
     evs = daemon.event_details("loop")
-    assert len([e for e in evs if e["kind"] == "launch"]) == 2, [e["message"] for e in evs]
-    assert [e["cause"] for e in evs if e["kind"] == "fault"] == ["agent_exit", "agent_exit"]
+    assert len([e for e in evs if e["kind"] == "launch"]) == 3, [e["message"] for e in evs]
+    assert [e["cause"] for e in evs if e["kind"] == "fault"] == ["agent_exit"] * 3
+    restarts = [e["message"] for e in evs if e["kind"] == "state" and "restart " in e["message"]]
+    assert restarts[:2] == ["agent_exit: restart 1 of 2 in 1 s",
+                            "agent_exit: restart 2 of 2 in 2 s"], restarts
 
 
 STUCK = r'''

@@ -20,7 +20,7 @@ LEGAL = [
     (JobState.PENDING, JobState.STARTING), (JobState.STARTING, JobState.RUNNING),
     (JobState.RUNNING, JobState.PAUSED), (JobState.PAUSED, JobState.RUNNING),
     (JobState.PAUSED, JobState.STARTING), (JobState.RUNNING, JobState.RECOVERING),
-    (JobState.RECOVERING, JobState.RUNNING),
+    (JobState.RECOVERING, JobState.RUNNING), (JobState.RECOVERING, JobState.RECOVERING),
     # sets, sorted: pytest-xdist needs every worker to collect the same ids in the same order
     *[(s, end) for s in sorted(LIVE, key=str) for end in sorted(TERMINAL, key=str)],
 ]
