@@ -62,6 +62,7 @@ from .stacks import StackDump, dump_stacks, suspects
 from .states import TERMINAL, JobState
 from .step_analysis import StepAnalysis
 from .store import Job, Store
+from .tick_errors import TickErrors
 
 
 @dataclass
@@ -114,6 +115,9 @@ class JobSupervisor:
         self.log = get_logger("ds3d.supervisor", job=name)
         # full disks (state dir, job dir, local tier) diagnosed before anything writes
         self.disk = DiskWatch(ctx.store, name, ctx.jobs_root.parent, self._config)
+        self.tick_errors = TickErrors(
+            ctx.store, name, self.log,
+            lambda: ctx.metrics.faults.labels(name, "supervisor_error").inc())
         self.wake = threading.Event()
         self.agent: AgentHandle | None = None
         self._seen_group_restarts: set[tuple[int, int]] = set()
@@ -152,11 +156,12 @@ class JobSupervisor:
             try:
                 if self.tick():
                     return
+                self.tick_errors.succeeded()
             except Exception as exc:
                 if is_disk_full(exc):  # diagnosed by self.disk; retried once there is room
                     self.disk.write_failed(exc)
                 else:
-                    self.log.exception("supervisor tick failed; retrying")
+                    self.tick_errors.failed(exc)
             self.wake.wait(self.ctx.interval_s)
             self.wake.clear()
         if self.backlog is not None:  # the daemon stops: its successor resumes the backlog
