@@ -13,7 +13,8 @@ export DS_BUILD_OPS := 0
 # drills), a module per xdist worker (module fixtures are shared): the workers are forked from
 # a preloaded forkserver (daemon/agent.py), so these tests mostly wait on the jobs they drive
 # (timeouts, outages, polls) and two of them share 2 cores without timing each other out.
-# The `timing` tests (wall-clock bounds) then run alone. Every part always runs; `make test`
+# The `timing` tests (wall-clock bounds) then run alone. Each test's time is kept in
+# build/test-results/*.xml (JUnit), to see where the tiers spend theirs. Every part always runs; `make test`
 # fails if any fails (pytest's "no tests collected" excepted for the timing run).
 PARALLEL_TESTS := tests/unit tests/integration/test_s3_conformance.py \
 	tests/integration/test_s3_commit.py tests/integration/test_s3_rgw.py \
@@ -48,9 +49,11 @@ lint: setup
 
 test: warm lint
 	@status=0; \
-	$(BIN)/pytest -q -ra -n 2 -m "not timing" --durations=20 $(PARALLEL_TESTS) || status=1; \
+	$(BIN)/pytest -q -ra -n 2 -m "not timing" --durations=20 $(PARALLEL_TESTS) \
+		--junitxml=build/test-results/unit-and-s3.xml || status=1; \
 	$(BIN)/pytest -q -ra -n 2 --dist loadfile -m "not timing" --durations=40 \
-		$(addprefix --ignore=,$(PARALLEL_TESTS)) tests || status=1; \
+		$(addprefix --ignore=,$(PARALLEL_TESTS)) tests \
+		--junitxml=build/test-results/processes.xml || status=1; \
 	$(BIN)/pytest -q -ra -m timing tests; rc=$$?; \
 	[ $$rc -eq 0 ] || [ $$rc -eq 5 ] || status=1; \
 	exit $$status
