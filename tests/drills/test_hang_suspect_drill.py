@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
@@ -161,6 +162,12 @@ def test_dump_stacks_names_a_stopped_process_instead_of_waiting_on_it(tmp_path):
     try:
         assert proc.stdout.readline().strip() == b"ready"
         os.kill(proc.pid, signal.SIGSTOP)
+        # the stop lands once the process is next scheduled: on a loaded machine (CI of 12-06)
+        # it was still sleeping, not stopped, when the dump looked
+        deadline = time.monotonic() + 30
+        while psutil.Process(proc.pid).status() != psutil.STATUS_STOPPED:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
         t0 = time.monotonic()
         dump = stacks.dump_stacks(run_dir, attempt=1, host="here")
         assert time.monotonic() - t0 < 5  # not asked: no py-spy or faulthandler wait

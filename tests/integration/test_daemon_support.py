@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import psutil
 
 from ds3d.v1 import control_pb2 as pb
 from ds3d.v1 import control_pb2_grpc as pb_grpc
@@ -391,6 +392,10 @@ def frozen_workers(run_dir: Path, count: int) -> Iterator[list[int]]:
     assert len(pids) == count, (pids, count)
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 30  # a stop lands when the process is next scheduled
+    while any(psutil.Process(pid).status() != psutil.STATUS_STOPPED for pid in pids):
+        assert time.monotonic() < deadline, "the workers did not stop within 30 s"
+        time.sleep(0.01)
     try:
         yield pids
     finally:
