@@ -194,11 +194,11 @@ def wait_for_live_builds(root: Path, timeout_s: float, poll_s: float = 1.0) -> l
 
 
 def warm_cache(configured: str | None, timeout_s: float) -> int:
-    """Builds DeepSpeed's JIT op into the warm cache the jobs are seeded from (`make warm`, an
-    operator's ExecStartPre). A stale lock there (a process killed while it built or checked the
-    op) would make the build wait forever, `FileBaton.wait` has no timeout: it is cleared first,
-    and a lock a live process holds for longer than `timeout_s` is refused with its holder.
-    Returns the exit status."""
+    """Builds DeepSpeed's JIT op into the warm cache the jobs are seeded from (`make warm`, or
+    an operator once per host: docs/runbook.md). A stale lock there (a process killed while it
+    built or checked the op) would make the build wait forever, `FileBaton.wait` has no
+    timeout: it is cleared first, and a lock a live process holds for longer than `timeout_s`
+    is refused with its holder. Returns the exit status."""
     root = warm_root(configured)
     for lock in clear_stale_locks(root):
         print(f"extension cache: cleared the {lock.describe()}", flush=True)

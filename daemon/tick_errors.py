@@ -54,8 +54,8 @@ class TickErrors:
             return
         self._reported = True
         message = (f"ds3dd cannot supervise this job: every pass fails with {error[:2000]} (for "
-                   f"{failing_s:.0f} s; a ds3d defect, its traceback is in ds3dd's log). It "
-                   "retries every pass; nothing was done to the workers")
+                   f"{failing_s:.0f} s; a ds3d defect, its traceback is in ds3dd's log); it "
+                   "retries every pass")
         try:
             self.store.record(self.name, EventKind.FAULT, message, status=message,
                               cause="supervisor_error")
