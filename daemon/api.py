@@ -180,8 +180,7 @@ class ControlServicer(pb_grpc.ControlServicer):
         self.followed_watches_max = followed_watches_max
         self._watch_slots = threading.BoundedSemaphore(followed_watches_max)
         # a checkpoint verify reads and hashes every file of every checkpoint (minutes on a
-        # big store) in an RPC thread: two at once, one per job
-        self._verify_slots = threading.BoundedSemaphore(VERIFIES_MAX)
+        # big store) in an RPC thread: VERIFIES_MAX at once, one per job
         self._verifying: set[str] = set()
         self._verifying_lock = threading.Lock()
 
@@ -328,7 +327,7 @@ class ControlServicer(pb_grpc.ControlServicer):
                 raise LongCallLimitError(
                     f"a verify of {name}'s checkpoints is under way; its changes are in the "
                     f"index when it ends: `ds3dctl checkpoints {name}` then shows them")
-            if not self._verify_slots.acquire(blocking=False):
+            if len(self._verifying) >= VERIFIES_MAX:
                 raise LongCallLimitError(
                     f"{VERIFIES_MAX} checkpoint verifies run on this daemon, the most it serves "
                     "at once (so that every other call keeps an answer); try again when one "
@@ -339,7 +338,6 @@ class ControlServicer(pb_grpc.ControlServicer):
         finally:
             with self._verifying_lock:
                 self._verifying.discard(name)
-                self._verify_slots.release()
 
     def SaveCheckpoint(self, request: pb.SaveCheckpointRequest,
                        context: grpc.ServicerContext) -> pb.SaveCheckpointResponse:

@@ -135,16 +135,16 @@ def wait_gone(procs: list[psutil.Process], timeout_s: float) -> None:
     psutil.wait_procs, which reaps the caller's own children with waitpid, so that their Popen
     then read ECHILD and took it for exit code 0 (an agent SIGKILLed by ds3dd "exited 0")."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        live = False
-        for p in procs:
-            try:
-                live = live or p.status() != psutil.STATUS_ZOMBIE
-            except psutil.NoSuchProcess:
-                continue
-        if not live:
-            return
+    while any(map(_running, procs)) and time.monotonic() < deadline:
         time.sleep(0.02)
+
+
+def _running(p: psutil.Process) -> bool:
+    """`p` has not exited (a zombie has: it only waits to be reaped)."""
+    try:
+        return bool(p.status() != psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return False
 
 
 def group_members(pgid: int) -> list[psutil.Process]:
