@@ -32,7 +32,8 @@ Sections:
   pinning       page-locking a snapshot-sized host buffer with CUDA at once against in 1 GiB
                 pieces (host_memory.register_in_pieces), beside a matmul loop: how much GPU work
                 each lets through; and node memory's arena (a /dev/shm file) in 1 GiB and 64 MiB
-                pieces
+                pieces; `populated`: the pages faulted in first (host_memory.populate), as the
+                snapshot arena does since 12-06
   restore       process start -> first step after a restart, split into its parts
   restore_process_memory  the same with the snapshot arena in process memory, not node memory
                 (checkpoint.keep_in_node_memory = false): what the /dev/shm file's pinning,
@@ -719,7 +720,7 @@ def _arenas_reserved(log: str, t0: float) -> dict | None:
             continue
         if ended >= t0:
             found = {k: rec.get(k) for k in ("bytes", "slots", "pinned", "node_memory",
-                                             "seconds")}
+                                             "populate_s", "register_s", "seconds")}
             found["ended_after_s"] = round(ended - t0, 3)
     return found
 
@@ -964,6 +965,24 @@ def goodput_against_fault_free(ref: dict, faulty: dict) -> dict:
             "lost_s": (fault_free_steps - faulty["useful_steps"]) / rate}
 
 
+def _populate_and_register(address: int, nbytes: int, piece: int, populated: bool,
+                           registered: list[int]) -> dict:
+    """The arena's registration in `piece`s, its pages faulted in first when `populated`
+    (host_memory.populate); the registered pieces go into `registered`."""
+    from ds3d.checkpoints.host_memory import populate, register_in_pieces
+
+    out: dict = {}
+    if populated:
+        t0 = time.perf_counter()
+        out["populated"] = populate(address, nbytes)
+        out["populate_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    registered.extend(register_in_pieces(address, nbytes, piece) or [])
+    out["register_only_s"] = time.perf_counter() - t0
+    out["rc"] = 0 if registered else 1
+    return out
+
+
 def sec_pinning(args) -> dict:
     """How page-locking the snapshot arena holds up CUDA work beside it: one cudaHostRegister
     of the whole arena against registering it in pieces, on a fresh and on a prefaulted buffer,
@@ -978,7 +997,6 @@ def sec_pinning(args) -> dict:
     from ds3d.checkpoints.host_memory import (
         PIN_PIECE_BYTES,
         anonymous_buffer,
-        register_in_pieces,
         unregister_pieces,
     )
 
@@ -1038,14 +1056,13 @@ def sec_pinning(args) -> dict:
         del buf
         return r
 
-    def pieces() -> dict:
+    def pieces(populated: bool = False) -> dict:
         buf = anonymous_buffer(nbytes)
         addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
         registered: list[int] = []
 
-        def reg() -> dict:  # what the snapshot arena does
-            registered.extend(register_in_pieces(addr, nbytes, piece) or [])
-            return {"rc": 0 if registered else 1}
+        def reg() -> dict:  # what the snapshot arena does (`populated`: since 12-06)
+            return _populate_and_register(addr, nbytes, piece, populated, registered)
         r = probe(reg)
         # a 1 GiB copy into one piece. Not one spanning two pieces' boundary: that asynchronous
         # copy fails with cudaErrorInvalidValue (H100, 2026-12-05), hence the snapshot's copies
@@ -1057,7 +1074,7 @@ def sec_pinning(args) -> dict:
         del host, buf
         return r
 
-    def pieces_in_node_memory(size: int) -> dict:
+    def pieces_in_node_memory(size: int, populated: bool = False) -> dict:
         """Node memory's arena (checkpoints/node_memory.py `_allocate`: a /dev/shm file,
         posix_fallocate'd, mapped shared; tmpfs pages are 4 KiB unless the kernel's
         shmem_enabled says otherwise) registered in pieces of `size`."""
@@ -1077,8 +1094,7 @@ def sec_pinning(args) -> dict:
         registered: list[int] = []
 
         def reg() -> dict:
-            registered.extend(register_in_pieces(addr, nbytes, size) or [])
-            return {"rc": 0 if registered else 1}
+            return _populate_and_register(addr, nbytes, size, populated, registered)
         r = probe(reg)
         r.update(piece_bytes=size, fallocate_s=allocate_s)
         unregister_pieces(registered)
@@ -1095,10 +1111,16 @@ def sec_pinning(args) -> dict:
     progress("pieces fresh", **out["pieces_fresh"])
     out["whole_prefaulted"] = whole(True)
     progress("whole prefaulted", **out["whole_prefaulted"])
+    # what the arena does since 12-06: its pages faulted in first (host_memory.populate, on
+    # threads, without the driver lock), then registered in pieces
+    out["pieces_populated"] = pieces(populated=True)
+    progress("pieces populated", **out["pieces_populated"])
     # the restore under ds3d's agent pins node memory's arena beside the engine build
-    for name, size in (("node_memory_pieces", piece), ("node_memory_small_pieces", 64 << 20)):
+    for name, size, populated in (("node_memory_pieces", piece, False),
+                                  ("node_memory_small_pieces", 64 << 20, False),
+                                  ("node_memory_populated", piece, True)):
         try:
-            out[name] = pieces_in_node_memory(size)
+            out[name] = pieces_in_node_memory(size, populated)
         except Exception as e:  # noqa: BLE001 - the probes above keep their results
             out[name] = {"error": repr(e)}
         progress(name, **out[name])

@@ -95,6 +95,7 @@ from .host_memory import (
     PIN_PIECE_BYTES,
     anonymous_buffer,
     piece_ranges,
+    populate,
     register_in_pieces,
     unregister_pieces,
 )
@@ -290,13 +291,15 @@ class SnapshotCheckpointEngine(CheckpointEngine):
 
         def reserve() -> None:
             t0 = time.perf_counter()
-            for slot in self._slots:  # one arena of `nbytes` per slot
-                self._reserve(slot, nbytes, pin)
+            # one arena of `nbytes` per slot; seconds populating, seconds registering
+            spent = [self._reserve(slot, nbytes, pin) for slot in self._slots]
             # when it ended tells what it overlapped (a restore's build, the first steps)
             log.info("snapshot_arenas_reserved", bytes=nbytes, slots=len(self._slots),
                      pinned=[s.arena is not None and bool(s.pieces) for s in self._slots],
                      node_memory=[s.node is not None and s.arena is not None and
                                   s.node.owns(s.arena) for s in self._slots],
+                     populate_s=round(sum(p for p, _ in spent), 3),
+                     register_s=round(sum(r for _, r in spent), 3),
                      seconds=round(time.perf_counter() - t0, 3))
             if all(slot.arena is None for slot in self._slots):
                 self._arena_thread = None  # per-tensor buffers; a later call may try again
@@ -304,9 +307,10 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         self._arena_thread = threading.Thread(target=reserve, name="ckpt-pin", daemon=True)
         self._arena_thread.start()
 
-    def _reserve(self, slot: _Slot, nbytes: int, pin: bool) -> None:
+    def _reserve(self, slot: _Slot, nbytes: int, pin: bool) -> tuple[float, float]:
         """The reservation thread: `slot`'s arena (its adopted one, else a node memory file,
-        else anonymous memory), registered with CUDA when `pin`."""
+        else anonymous memory), registered with CUDA when `pin`, its pages faulted in first
+        (`populate`). Returns the seconds populating and registering."""
         adopted = slot.arena if slot.adopted else None
         arena = adopted
         if arena is None and slot.node is not None:
@@ -314,7 +318,12 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         if arena is None:
             arena = anonymous_buffer(nbytes)
         address = ctypes.addressof(ctypes.c_char.from_buffer(arena))
+        t0 = time.perf_counter()
+        if pin:  # the page faults first, without CUDA's driver lock
+            populate(address, len(arena))
+        t1 = time.perf_counter()
         pieces = register_in_pieces(address, len(arena), self._pin_piece) if pin else []
+        spent = (t1 - t0, time.perf_counter() - t1)
         if pieces is not None:
             slot.arena, slot.pieces = arena, pieces
         elif adopted is None:  # host memory short or locked-memory limit: pin per tensor
@@ -324,6 +333,7 @@ class SnapshotCheckpointEngine(CheckpointEngine):
                             "the arena", slot=slot.node.slot, detail="per-tensor pinned "
                             "buffers: a crash restarts from disk")
                 slot.node.remove()
+        return spent
 
     def wait_arena(self) -> None:
         """Blocks until the arena's reservation (and registration) has finished."""
