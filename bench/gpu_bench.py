@@ -38,6 +38,8 @@ Sections:
   restore_process_memory  the same with the snapshot arena in process memory, not node memory
                 (checkpoint.keep_in_node_memory = false): what the /dev/shm file's pinning,
                 beside the engine build, costs the restore
+  restore_profiled  the same restore with the worker's training thread under cProfile
+                (DS3D_STARTUP_PROFILE): where its build, load and first step spend their time
   goodput       a job under ds3d's node agent with a NaN, a crash and a spike in turn every
                 --goodput-every s over --goodput-window s, against a fault-free run of the same
                 invocation (issue 19 goal 6)
@@ -62,6 +64,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -75,8 +78,8 @@ SECTIONS = ["peak", "minimal", "minimal_compile", "deepspeed", "deepspeed_compil
             "ds3d_compile"]
 OPTIONAL = ["minimal_unfused_adam", "minimal_math_attention", "deepspeed_unfused",
             "deepspeed_stock_bf16", "deepspeed_compile_stock_bf16", "profile",
-            "checkpoint", "restore", "restore_process_memory", "rollback", "goodput",
-            "pinning"]
+            "checkpoint", "restore", "restore_process_memory", "restore_profiled", "rollback",
+            "goodput", "pinning"]
 # (name, --set overrides of the bench job): sizes, micro-batches, checkpointing and ZeRO stages
 MEMORY_CONFIGS = {
     "gpt1b_mb8": ["train.micro_batch_size=8"],
@@ -725,9 +728,12 @@ def _arenas_reserved(log: str, t0: float) -> dict | None:
     return found
 
 
-def sec_restore(args, sets: tuple[str, ...] = ()) -> dict:
+def sec_restore(args, sets: tuple[str, ...] = (), profiled: bool = False) -> dict:
     """A fresh start of ds3d's node agent (c10d rendezvous, forkserver, worker) resuming the
-    job `checkpoint` saved; `sets`: the job's settings changed for this start."""
+    job `checkpoint` saved; `sets`: the job's settings changed for this start. `profiled`: the
+    worker's training thread under cProfile (DS3D_STARTUP_PROFILE, trainer/startup_profile.py)
+    from its build to its first step; its summaries are the result (no floor: profiling slows
+    the Python parts)."""
     run_dir = Path(args.work) / "ckpt-run"
     cfg = build_cfg(args, ["checkpoint.keep_last=2", *sets])
     store = run_dir / "store" / "bench" / "ckpt"
@@ -740,6 +746,10 @@ def sec_restore(args, sets: tuple[str, ...] = ()) -> dict:
     (run_dir / "job.json").write_text(cfg.dump_json())
     env = dict(os.environ, DS_ACCELERATOR=args.device if args.device == "cuda" else "cpu",
                TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", NCCL_NVLS_ENABLE="0")
+    profiles = run_dir / "startup-profile"
+    if profiled:
+        shutil.rmtree(profiles, ignore_errors=True)
+        env["DS3D_STARTUP_PROFILE"] = str(profiles)
     reports, log = run_dir / "reports" / "rank-00000.jsonl", run_dir / "restore.log"
     seen = len(reports.read_text().splitlines()) if reports.exists() else 0
     t0 = time.time()
@@ -760,6 +770,10 @@ def sec_restore(args, sets: tuple[str, ...] = ()) -> dict:
     out["checkpoint_bytes"] = _dir_bytes(run_dir / "ckpt" / f"global_step{saved[-1]}")
     out["transparent_hugepage"] = _thp()
     out["transparent_hugepage_shmem"] = _thp("shmem_enabled")  # node memory's /dev/shm
+    if profiled:
+        out["startup_profile"] = {p.stem: p.read_text()[:20000]
+                                  for p in sorted(profiles.glob("*.txt"))}
+        return out
     # the bare floor, in the same run: one sequential read of the same files (page cache as the
     # restore found it) plus an engine build with no load
     files = sorted(p for p in (run_dir / "ckpt" / f"global_step{saved[-1]}").rglob("*")
@@ -1328,7 +1342,8 @@ def run_section(name: str, args) -> dict:
               a, ("checkpoint.keep_in_node_memory=false",)),
           "engine_build": sec_engine_build, "engine_build_profile": sec_engine_build_profile,
           "rollback": sec_rollback,
-          "goodput": sec_goodput, "pinning": sec_pinning}[name]
+          "goodput": sec_goodput, "pinning": sec_pinning,
+          "restore_profiled": lambda a: sec_restore(a, profiled=True)}[name]
     return fn(args)
 
 

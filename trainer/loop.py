@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,7 @@ class Trainer:
         self.inbox = CommandInbox(run_dir)
         self.stop_at_step = stop_at_step
         self.step, self.tokens_seen, self.saved_step = 0, 0, -1
+        self.after_first_step: Callable[[], None] | None = None  # once (startup_profile.py)
         # startup_s: seconds from the process's start to each start-up stage (worker.py)
         self.reporter.emit(RecordKind.HEARTBEAT, step=0, phase="init",
                            **({"startup_s": startup_s} if startup_s else {}))
@@ -529,6 +531,9 @@ class Trainer:
             self.step += 1
             self.tokens_seen += self.step_fn.tokens_per_step
             self._report_step(result)
+            if self.after_first_step is not None:
+                self.after_first_step()
+                self.after_first_step = None
             if self.memory_auto is not None:
                 self.memory_auto.stepped(result.seconds)
             profiled = self.tuner.after_step(self.step)  # collective when a profile window ends

@@ -107,6 +107,7 @@ def _train(cfg: JobConfig, run_dir: Path, env, stop_at_step: int | None,
     from .loop import Trainer
     from .oom import exit_now, is_oom, oom_evidence, report_oom
     from .report import Reporter
+    from .startup_profile import StartupProfile
 
     torch.manual_seed(cfg.train.seed)
     device = pick_device(cfg, env.local_rank)
@@ -118,8 +119,12 @@ def _train(cfg: JobConfig, run_dir: Path, env, stop_at_step: int | None,
     layout = ParallelLayout(cfg, env)
     startup.mark("layout")
     trainer: Trainer | None = None
+    profile = StartupProfile.from_env(env.rank, env.restart_count)  # DS3D_STARTUP_PROFILE
     try:
         trainer = Trainer(cfg, run_dir, env, layout, device, stop_at_step, startup.seconds)
+        if profile is not None:
+            profile.part("build_and_load")
+            trainer.after_first_step = lambda: profile.stop("first_step")
         try:
             trainer.wait_for_store(trainer.run())  # a job ends with its last checkpoint durable
             trainer.ckpt.release_node_memory()  # a clean exit: no restart reads it
