@@ -215,10 +215,11 @@ def _meet_the_other_agents(spec: AgentSpec) -> None:
 
 
 # Imported by the forkserver before any worker is forked: everything the trainer imports that
-# costs time (torch, torch._dynamo, which torch.optim imports on first use, and DeepSpeed). None
-# of it initialises CUDA: a forked child could not use it then.
+# costs time (torch, torch._dynamo, which torch.optim imports on first use, and DeepSpeed), then
+# trainer/preload.py (warm caches, gc.freeze), last. None of it initialises CUDA: a forked child
+# could not use it then.
 TRAINER_PRELOAD = ("torch", "torch._dynamo", "ds3d.trainer.worker", "ds3d.trainer.loop",
-                   "ds3d.daemon.agent")
+                   "ds3d.daemon.agent", "ds3d.trainer.preload")
 
 
 def _start_forkserver(preload: list[str]) -> None:

@@ -5,9 +5,11 @@ profiles each worker's training thread with cProfile from before the engine's bu
 first reported step, in two parts: `build_and_load` (the engine build, the checkpoint read
 beside it, the load) and `first_step` (the set-up after the load and the first step). Each part
 is written as DIR/startup-rank<R>-restart<N>-<part>.prof (pstats, for snakeviz or
-`python -m pstats`) and a .txt summary: the calls by cumulative and by own time. cProfile sees
-only the training thread; time it spends blocked in C (a CUDA call waiting on the driver, a
-page fault) shows as that call's own time. Profiling slows Python-heavy code, so the seconds
+`python -m pstats`) and a .txt summary: the calls by cumulative and by own time, and the
+modules first imported during the part (what the forkserver's preload could import once
+instead: daemon/agent.py TRAINER_PRELOAD). Before Python 3.12 cProfile sees only the training
+thread; from 3.12 (sys.monitoring) it also counts the calls of the threads running beside it
+(the checkpoint read, the arena's pinning). Profiling slows Python-heavy code, so the seconds
 are for comparing parts, not for the restore's figures.
 """
 
@@ -17,6 +19,7 @@ import cProfile
 import io
 import os
 import pstats
+import sys
 from pathlib import Path
 
 ENV = "DS3D_STARTUP_PROFILE"
@@ -30,6 +33,7 @@ class StartupProfile:
     def __init__(self, folder: Path, rank: int, restart: int) -> None:
         self.folder, self.stem = folder, f"startup-rank{rank}-restart{restart}"
         self.folder.mkdir(parents=True, exist_ok=True)
+        self._modules = set(sys.modules)
         self._profile: cProfile.Profile | None = cProfile.Profile()
         self._profile.enable()
 
@@ -50,6 +54,10 @@ class StartupProfile:
         for order in ("cumulative", "tottime"):
             text.write(f"== by {order} ==\n")
             stats.sort_stats(order).print_stats(TOP)
+        imported = sorted(set(sys.modules) - self._modules)
+        self._modules |= set(imported)
+        text.write(f"== modules first imported during this part ({len(imported)}) ==\n")
+        text.write("\n".join(imported) + "\n")
         (path.parent / (path.name + ".txt")).write_text(text.getvalue())
         if next_part:
             self._profile = cProfile.Profile()

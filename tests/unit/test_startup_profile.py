@@ -14,11 +14,14 @@ def _build() -> None:
 
 def _first_step() -> None:
     sum(i * i for i in range(20000))
+    import ds3d_startup_probe  # noqa: F401 - a module first imported in this part
 
 
 def test_parts_are_written_apart_and_name_their_calls(tmp_path, monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
     assert StartupProfile.from_env(0, 0) is None  # off unless asked for
+    (tmp_path / "ds3d_startup_probe.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv(ENV, str(tmp_path / "prof"))
     profile = StartupProfile.from_env(rank=3, restart=2)
     assert profile is not None
@@ -40,3 +43,7 @@ def test_parts_are_written_apart_and_name_their_calls(tmp_path, monkeypatch):
     assert "_first_step" in {fn[2] for fn in first.stats}  # type: ignore[attr-defined]
     text = (tmp_path / "prof" / "startup-rank3-restart2-first_step.txt").read_text()
     assert "== by cumulative ==" in text and "== by tottime ==" in text and "_first_step" in text
+    assert text.endswith("== modules first imported during this part (1) ==\n"
+                         "ds3d_startup_probe\n")
+    build_text = (tmp_path / "prof" / "startup-rank3-restart2-build_and_load.txt").read_text()
+    assert "ds3d_startup_probe" not in build_text
