@@ -79,6 +79,8 @@ class RestorePlan:
     read_ahead: ReadAhead | None = field(default=None, compare=False)
     # after `confirm`: this rank's files' verified bytes by path, which `load` is served from
     buffers: dict[str, memoryview] = field(default_factory=dict, compare=False)
+    # ... the paths of those read into the snapshot arena (snapshot.ArenaLoan)
+    in_arena: frozenset[str] = frozenset()
     # steps whose local copy failed its hashes in this restore (never planned again)
     excluded: frozenset[int] = frozenset()
     # "memory", "node_memory": the state is a memory-only snapshot (no checkpoint of its step
@@ -301,8 +303,13 @@ class CheckpointManager:
         if step == local_step:  # unhashed yet: read and hash this rank's files in the background
             own = read_record(self.local_dir, step, me.rank)
             files = own.part.files if own is not None else []
-            read_ahead = ReadAhead(self.local_dir, files).start()
-            self._pin_early(sum(f.size for f in files))
+            state_bytes = sum(f.size for f in files)
+            # on a GPU, straight into the snapshot arena (ArenaLoan): one fault of its pages,
+            # and a load from page-locked memory
+            loan = self.snapshot.lend_arena(self._arena_bytes(state_bytes)) \
+                if self.device.type == "cuda" and state_bytes > 0 else None
+            read_ahead = ReadAhead(self.local_dir, files, into=loan).start()
+            self._pin_early(state_bytes)
             if universal:  # the conversion reads the files: they must verify first
                 if not self._all_verified(step, read_ahead.wait()):
                     return self.confirm(self.plan_restore(exclude=exclude | {step}))
@@ -404,7 +411,8 @@ class CheckpointManager:
             return plan
         result = plan.read_ahead.wait()
         if self._all_verified(plan.step, result):
-            return dataclasses.replace(plan, read_ahead=None, buffers=result.buffers)
+            return dataclasses.replace(plan, read_ahead=None, buffers=result.buffers,
+                                       in_arena=result.placed)
         return self.confirm(self.plan_restore(exclude=plan.excluded | {plan.step}))
 
     def _all_verified(self, step: int, result: ReadResult) -> bool:
@@ -460,6 +468,8 @@ class CheckpointManager:
                 path, _ = engine.load_checkpoint(str(self.local_dir), tag=plan.tag,
                                                  load_optimizer_states=True,
                                                  load_lr_scheduler_states=True)
+            # the arena's bytes become snapshot space
+            self.snapshot.end_loan({p: v for p, v in plan.buffers.items() if p in plan.in_arena})
         elif plan.source in ("memory", "node_memory"):
             with self.snapshot.serving_held(plan.peers, self.device,
                                              tag=plan.tag) as stand_ins:
@@ -552,8 +562,13 @@ class CheckpointManager:
         finds it under way). Collective (the room for two arenas is agreed first): every rank
         calls it, one without files of the step with 0."""
         if self.device.type == "cuda":
-            self._reserve(int(state_bytes * 1.1) + (64 << 20) if state_bytes > 0 else 0,
-                          pin=True)
+            self._reserve(self._arena_bytes(state_bytes), pin=True)
+
+    @staticmethod
+    def _arena_bytes(state_bytes: int) -> int:
+        """The snapshot arena for a restored state of `state_bytes` (its files' sizes): 10% and
+        64 MiB over it, for the pickles and the alignment of the carved buffers."""
+        return int(state_bytes * 1.1) + (64 << 20) if state_bytes > 0 else 0
 
     def save(self, engine: Any, step: int, client_state: dict[str, Any], tokens_seen: int,
              data_position: dict[str, Any], memory_only: bool = False) -> float:

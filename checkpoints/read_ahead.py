@@ -11,7 +11,9 @@ hasher thread per file follows the readers piece by piece, one core per file.) I
 background while the engine is built; `wait()` says which files do not match their recorded
 size and sha256. DeepSpeed's `load_checkpoint` is then served from these buffers
 (`load_buffer`, used by snapshot.SnapshotCheckpointEngine), with no second read of the files:
-the tensors are views of the verified bytes.
+the tensors are views of the verified bytes. With a `Destination` (on a GPU: the snapshot
+arena, snapshot.ArenaLoan) the files are read into one buffer it gives, each at a 4 KiB-aligned
+offset, instead of into buffers of their own.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, cast
+from typing import IO, Any, Protocol, cast
 
 import torch
 
@@ -32,6 +34,21 @@ from .manifest import FileEntry
 
 CHUNK = 64 << 20  # bytes one reader reads at a time
 READERS = max(4, min(16, os.cpu_count() or 4))
+ALIGN = 4096  # each file's offset in a destination buffer
+
+
+class Destination(Protocol):
+    """Where a read may put its files instead of buffers of their own (snapshot.ArenaLoan)."""
+
+    def take(self, needed: int) -> memoryview | None:
+        """One buffer of at least `needed` bytes, or None (each file gets its own)."""
+
+    def done(self) -> None:
+        """The read is over (whatever its outcome): nothing writes into the buffer any more."""
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
 
 
 @dataclass(frozen=True)
@@ -40,6 +57,7 @@ class ReadResult:
     bad: dict[str, str]  # relative path -> what was wrong (missing, short, sha256)
     nbytes: int
     seconds: float
+    placed: frozenset[str] = frozenset()  # paths of `buffers` that lie in the Destination
 
     @property
     def ok(self) -> bool:
@@ -52,9 +70,10 @@ class ReadAhead:
     and names those that do not."""
 
     def __init__(self, root: str | Path, entries: list[FileEntry], readers: int = READERS,
-                 chunk: int = CHUNK) -> None:
+                 chunk: int = CHUNK, into: Destination | None = None) -> None:
         self.root, self.entries = Path(root), list(entries)
         self.readers, self.chunk = max(1, readers), max(1 << 20, chunk)
+        self.into = into
         self._result: ReadResult | None = None
         self._thread = threading.Thread(target=self._run, name="ckpt-read-ahead", daemon=True)
         self._error: BaseException | None = None
@@ -77,6 +96,10 @@ class ReadAhead:
         try:
             buffers: dict[str, memoryview] = {}
             bad: dict[str, str] = {}
+            whole = self.into.take(sum(_aligned(e.size) for e in self.entries)) \
+                if self.into is not None else None
+            offset = 0  # the next file's place in `whole`
+            placed: set[str] = set()
             with ThreadPoolExecutor(self.readers, thread_name_prefix="ckpt-read") as pool:
                 files: list[_Hasher | _ChunkChecked] = []
                 for e in self.entries:
@@ -91,7 +114,11 @@ class ReadAhead:
                         os.close(fd)
                         bad[e.path] = f"size {size} bytes, recorded {e.size}"
                         continue
-                    view = memoryview(anonymous_buffer(size)) if size else memoryview(b"")
+                    if whole is not None and offset + size <= len(whole):
+                        view, offset = whole[offset:offset + size], _aligned(offset + size)
+                        placed.add(os.path.normpath(os.path.abspath(path)))
+                    else:
+                        view = memoryview(anonymous_buffer(size)) if size else memoryview(b"")
                     if e.chunk_bytes:  # recorded per piece: each reader checks its own
                         chunks = _pieces(size, e.chunk_bytes)
                         checks = [pool.submit(_read_checked, fd, view[off:off + n], off, want)
@@ -111,9 +138,13 @@ class ReadAhead:
                     else:
                         buffers[os.path.normpath(os.path.abspath(f.path))] = f.view
             self._result = ReadResult(buffers, bad, sum(len(b) for b in buffers.values()),
-                                      time.perf_counter() - t0)
+                                      time.perf_counter() - t0,
+                                      frozenset(placed & set(buffers)))
         except BaseException as e:  # raised by wait(), on the caller's thread
             self._error = e
+        finally:
+            if self.into is not None:
+                self.into.done()
 
 
 def _pieces(size: int, chunk: int) -> list[tuple[int, int]]:
@@ -209,17 +240,22 @@ class _BufferFile:
         return len(data)
 
 
-def load_buffer(view: memoryview, map_location: Any = None) -> Any:
+def load_buffer(view: memoryview, map_location: Any = None,
+                users: list[Any] | None = None) -> Any:
     """What `torch.load(path, map_location, weights_only=False)` gives for a file whose bytes
     are `view`, with every tensor's storage a view of `view` (no copy; torch's own mmap path,
     given our buffer instead of a mapped file). Falls back to a copying `torch.load` where
-    torch's private loader has another shape."""
+    torch's private loader has another shape. `users`: gets a weak reference to the storage
+    every loaded tensor shares (`.expired()` once no tensor uses `view`'s bytes)."""
     import torch.serialization as ser
+    from torch.multiprocessing.reductions import StorageWeakRef
 
     f = cast(IO[bytes], _BufferFile(view))
     try:
         storage = torch.frombuffer(view, dtype=torch.uint8).untyped_storage() if len(view) \
             else None
+        if storage is not None and users is not None:
+            users.append(StorageWeakRef(storage))  # type: ignore[no-untyped-call]
         with ser._open_zipfile_reader(f) as zf:
             return ser._load(zf, map_location, pickle,  # type: ignore[no-untyped-call]
                              overall_storage=storage, encoding="utf-8")

@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import gc
 import mmap
 import os
 import queue
@@ -135,6 +136,7 @@ class _Slot:
     writing: bool = False  # a durable save's files are being written from it
     adopted: bool = False  # the arena was mapped back from node memory
     refused: bool = False  # its reservation failed: per-tensor buffers
+    piece: int = PIN_PIECE_BYTES  # bytes per registration (the whole arena after a loan)
 
 
 @dataclass(frozen=True)
@@ -145,6 +147,34 @@ class _Serving:
     mine: dict[str, Any]  # this rank's files by name: their held state
     others: dict[str, Any]  # the other ranks' files by name: their skeletons
     device: torch.device | None
+
+
+class ArenaLoan:
+    """The first arena lent to a restore's read (read_ahead.py `into`): the checkpoint's files
+    are read straight into the memory the snapshots will be carved from, instead of into 20 GB
+    of buffers of their own that the arena's pages then repeat. The read faults the pages in
+    (so the arena needs no `populate`), the reservation thread registers the whole arena with
+    CUDA once the read is done (one registration: a tensor of the load may span any 1 GiB
+    piece), and the load's host-to-device copies then run from page-locked memory. The arena
+    is carved for snapshots only after `SnapshotCheckpointEngine.end_loan` found none of the
+    read's bytes still referenced."""
+
+    def __init__(self, make: Callable[[], mmap.mmap], nbytes: int) -> None:
+        self._make, self.nbytes = make, nbytes
+        self.arena: mmap.mmap | None = None
+        self.finished = threading.Event()  # the read is over: the arena may be registered
+
+    def take(self, needed: int) -> memoryview | None:
+        """The reader's thread: the arena (made now: a node memory file is allocated here,
+        beside the engine build) as one buffer of at least `needed` bytes, or None (read into
+        buffers of its own) when the arena is smaller."""
+        if needed > self.nbytes:
+            return None
+        self.arena = self._make()
+        return memoryview(self.arena)
+
+    def done(self) -> None:
+        self.finished.set()
 
 
 class SnapshotCheckpointEngine(CheckpointEngine):
@@ -177,10 +207,13 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         self._error: BaseException | None = None
         self._pin_piece = PIN_PIECE_BYTES
         self._arena_thread: threading.Thread | None = None
+        self._loan: ArenaLoan | None = None  # slot 0's arena, lent to a restore's read
         self._device_copies = False  # the last save copied from the GPU (asynchronously)
         self._next_save: tuple[int, str] | None = None  # (step, meta) the marker will name
         self._serving: _Serving | None = None  # loads read the held copy (a memory rollback)
         self._served_files: dict[str, memoryview] = {}  # loads read these verified bytes
+        # ... and the tensors they gave, by path: weak references to their storages
+        self._served_users: dict[str, list[Any]] = {}
         self.copy_seconds = 0.0  # time of the last save's host copies (the blocked part)
         self._thread = threading.Thread(target=self._write_loop, name="ckpt-writer", daemon=True)
         self._thread.start()
@@ -242,9 +275,10 @@ class SnapshotCheckpointEngine(CheckpointEngine):
     def load(self, path: str, map_location: Any = None) -> Any:
         if self._serving is not None:
             return self._serve(self._serving, path, self._device_host_copy)
-        served = self._served_files.get(os.path.normpath(os.path.abspath(path)))
+        key = os.path.normpath(os.path.abspath(path))
+        served = self._served_files.get(key)
         if served is not None:
-            return load_buffer(served, map_location)
+            return load_buffer(served, map_location, self._served_users.setdefault(key, []))
         self.wait()
         return torch.load(path, map_location=map_location, weights_only=False)
 
@@ -312,17 +346,22 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         else anonymous memory), registered with CUDA when `pin`, its pages faulted in first
         (`populate`). Returns the seconds populating and registering."""
         adopted = slot.arena if slot.adopted else None
+        loan = self._loan if slot is self._slots[0] else None
         arena = adopted
-        if arena is None and slot.node is not None:
-            arena = slot.node.create(nbytes)
+        if loan is not None:  # a restore reads into it: registered once the read is over
+            loan.finished.wait()
+            arena = loan.arena
         if arena is None:
-            arena = anonymous_buffer(nbytes)
+            arena = self._new_arena(slot, nbytes)
         address = ctypes.addressof(ctypes.c_char.from_buffer(arena))
         t0 = time.perf_counter()
-        if pin:  # the page faults first, without CUDA's driver lock
+        if pin:  # the page faults first, without CUDA's driver lock (after a read: its tail)
             populate(address, len(arena))
         t1 = time.perf_counter()
-        pieces = register_in_pieces(address, len(arena), self._pin_piece) if pin else []
+        # lent: one registration, since the load's copies may cross any piece's edge
+        slot.piece = len(arena) if loan is not None and loan.arena is arena \
+            else self._pin_piece
+        pieces = register_in_pieces(address, len(arena), slot.piece) if pin else []
         spent = (t1 - t0, time.perf_counter() - t1)
         if pieces is not None:
             slot.arena, slot.pieces = arena, pieces
@@ -334,6 +373,50 @@ class SnapshotCheckpointEngine(CheckpointEngine):
                             "buffers: a crash restarts from disk")
                 slot.node.remove()
         return spent
+
+    def _new_arena(self, slot: _Slot, nbytes: int) -> mmap.mmap:
+        """A fresh arena for `slot`: a node memory file where kept and there is room, else
+        anonymous memory."""
+        arena = slot.node.create(nbytes) if slot.node is not None else None
+        return arena if arena is not None else anonymous_buffer(nbytes)
+
+    def lend_arena(self, nbytes: int) -> ArenaLoan | None:
+        """Before the arenas' reservation (`reserve_pinned` of the same `nbytes`): slot 0's
+        arena for a restore's read (ArenaLoan), or None when that slot already has one (an
+        adopted node memory arena holds a snapshot) or was lent before."""
+        slot = self._slots[0]
+        if self._loan is not None or self._arena_thread is not None or slot.arena is not None:
+            return None
+        self._loan = ArenaLoan(lambda: self._new_arena(slot, nbytes), nbytes)
+        return self._loan
+
+    def end_loan(self, served: dict[str, memoryview]) -> bool:
+        """After the load that `served` (the read's views into the lent arena, by path) fed:
+        True, with the views released (no later access reads a snapshot's bytes as the
+        checkpoint's), when no tensor the load made still uses their bytes. False, with the
+        arena given up for per-tensor buffers, when one does (a loaded tensor kept the read's
+        bytes instead of copying them to the device: the next save would overwrite it)."""
+        loan, self._loan = self._loan, None
+        users, self._served_users = self._served_users, {}
+        if loan is None or loan.arena is None:
+            return True
+        gc.collect()  # loaded state dicts dropped in reference cycles
+        kept = sorted(os.path.basename(path) for path in served
+                      if any(not ref.expired() for ref in users.get(path, [])))
+        if not kept:
+            for view in served.values():
+                view.release()
+            return True
+        self.wait_arena()
+        slot = self._slots[0]
+        if slot.arena is loan.arena:  # registered and in use by tensors: left as it is
+            slot.arena, slot.pieces, slot.refused = None, [], True
+            if slot.node is not None:
+                slot.node.remove()
+        log.warning("restore_buffers_still_referenced", files=kept,
+                    detail="the loaded state keeps host tensors of the read; snapshots use "
+                           "buffers of their own (slower first save)")
+        return False
 
     def wait_arena(self) -> None:
         """Blocks until the arena's reservation (and registration) has finished."""
@@ -616,7 +699,7 @@ class SnapshotCheckpointEngine(CheckpointEngine):
                     continue
                 offset = host.data_ptr() - slot.pieces[0]
                 if 0 <= offset and offset + nbytes <= len(slot.arena):
-                    ranges = piece_ranges(offset, nbytes, host.element_size(), self._pin_piece)
+                    ranges = piece_ranges(offset, nbytes, host.element_size(), slot.piece)
                     break
         if len(ranges) <= 1:
             dst.copy_(src, non_blocking=True)

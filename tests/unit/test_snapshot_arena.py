@@ -102,7 +102,7 @@ def test_a_copy_into_an_arena_registered_in_pieces_lands_whole(tmp_path):
     engine.reserve_pinned(64 << 10, pin=False)
     engine._arena_thread.join()
     probe = torch.frombuffer(engine._arena, dtype=torch.uint8, count=1)
-    engine._arena_pieces, engine._pin_piece = [probe.data_ptr()], 1024
+    engine._arena_pieces, engine._slots[0].piece = [probe.data_ptr()], 1024
     del probe
     sources = [torch.randn(1000), torch.randn(300).to(torch.bfloat16), torch.randn(7, 129),
                torch.arange(2000, dtype=torch.int64)]
