@@ -464,6 +464,8 @@ class CheckpointManager:
             raise CheckpointError(f"internal: the plan of step {plan.step} was not confirmed "
                                   "(CheckpointManager.confirm) before its load")
         if plan.buffers:
+            if plan.in_arena:
+                self.snapshot.await_loan()
             with self.snapshot.serving_buffers(plan.buffers):
                 path, _ = engine.load_checkpoint(str(self.local_dir), tag=plan.tag,
                                                  load_optimizer_states=True,

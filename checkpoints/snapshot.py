@@ -163,6 +163,7 @@ class ArenaLoan:
         self._make, self.nbytes = make, nbytes
         self.arena: mmap.mmap | None = None
         self.finished = threading.Event()  # the read is over: the arena may be registered
+        self.registered = threading.Event()  # ... and its registration was tried
 
     def take(self, needed: int) -> memoryview | None:
         """The reader's thread: the arena (made now: a node memory file is allocated here,
@@ -326,7 +327,11 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         def reserve() -> None:
             t0 = time.perf_counter()
             # one arena of `nbytes` per slot; seconds populating, seconds registering
-            spent = [self._reserve(slot, nbytes, pin) for slot in self._slots]
+            try:
+                spent = [self._reserve(slot, nbytes, pin) for slot in self._slots]
+            finally:
+                if self._loan is not None:  # a load waiting on it goes on, pinned or not
+                    self._loan.registered.set()
             # when it ended tells what it overlapped (a restore's build, the first steps)
             log.info("snapshot_arenas_reserved", bytes=nbytes, slots=len(self._slots),
                      pinned=[s.arena is not None and bool(s.pieces) for s in self._slots],
@@ -363,6 +368,8 @@ class SnapshotCheckpointEngine(CheckpointEngine):
             else self._pin_piece
         pieces = register_in_pieces(address, len(arena), slot.piece) if pin else []
         spent = (t1 - t0, time.perf_counter() - t1)
+        if loan is not None:
+            loan.registered.set()
         if pieces is not None:
             slot.arena, slot.pieces = arena, pieces
         elif adopted is None:  # host memory short or locked-memory limit: pin per tensor
@@ -389,6 +396,13 @@ class SnapshotCheckpointEngine(CheckpointEngine):
             return None
         self._loan = ArenaLoan(lambda: self._new_arena(slot, nbytes), nbytes)
         return self._loan
+
+    def await_loan(self, timeout: float = 60.0) -> None:
+        """Before the load from a lent arena: waits (at most `timeout`) for its registration,
+        which follows the read by ~1 s, so that the load copies from page-locked memory."""
+        loan = self._loan
+        if loan is not None and loan.arena is not None and self._arena_thread is not None:
+            loan.registered.wait(timeout)
 
     def end_loan(self, served: dict[str, memoryview]) -> bool:
         """After the load that `served` (the read's views into the lent arena, by path) fed:
