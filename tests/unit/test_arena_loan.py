@@ -50,7 +50,7 @@ def test_the_read_lands_in_the_arena_that_the_reservation_then_takes(tmp_path: P
     engine.reserve_pinned(ARENA, pin=False)  # what a restore starts beside the read
     result = ReadAhead(tmp_path, entries, readers=3, into=loan).start().wait()
     engine.wait_arena()
-    assert result.ok and loan.finished.is_set()
+    assert result.ok and loan.finished.is_set() and loan.registered.is_set()
     paths = {n: os.path.normpath(os.path.abspath(tmp_path / n)) for n in data}
     assert result.placed == frozenset(paths.values())
     assert engine._arena is loan.arena  # the reservation took the memory the read filled
