@@ -28,7 +28,9 @@ multiprocessing context with the "forkserver" start method, and the forkserver i
 DeepSpeed and the trainer once (TRAINER_PRELOAD). A worker (re)start then costs a fork instead of
 ~4 CPU-seconds of imports per rank (on a 2-core machine a 4-rank group started in ~10 s); no
 CUDA is touched before the fork. The forkserver is started first thing, so that its imports
-overlap the agent's own and its rendezvous (a worker's first start came 1.2 s sooner on CPU).
+overlap the agent's rendezvous (a worker's first start came 1.2 s sooner on CPU), and as a fork
+of the agent once it has imported torch (daemon/forked_forkserver.py): torch is imported once
+per agent start, not twice.
 Each worker sets its process title (daemon/procs.py WorkerTitle) so that `ps` and the daemon
 still see which job and rank it is.
 
@@ -42,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import sys
 import time
@@ -225,13 +226,18 @@ TRAINER_PRELOAD = ("torch", "torch._dynamo", "ds3d.trainer.worker", "ds3d.traine
 def _start_forkserver(preload: list[str]) -> None:
     """Starts the forkserver now, with what it imports once for every worker it forks (a
     stand-in worker module is not preloaded: importing it runs it), so that its imports
-    (~5-8 s of torch, DeepSpeed and the trainer) overlap the agent's own import of torch and
-    its rendezvous instead of following them: torch elastic's "forkserver" start method uses
-    this same server once the group starts (multiprocessing's one forkserver per process)."""
-    from multiprocessing import forkserver
+    (~5-8 s of torch, DeepSpeed and the trainer) overlap the agent's rendezvous instead of
+    following it: torch elastic's "forkserver" start method uses this same server once the group
+    starts (multiprocessing's one forkserver per process). The server is a fork of the agent
+    once the agent has imported torch, which it needs anyway (forked_forkserver.py): a fresh
+    interpreter would import torch a second time."""
+    import torch  # noqa: F401 - imported before the fork, for the server too
 
-    multiprocessing.set_forkserver_preload(preload)
-    forkserver.ensure_running()
+    from .forked_forkserver import start
+
+    if not start(preload):
+        print("ds3d agent: the forkserver was started as a new interpreter (this process "
+              "runs threads)", flush=True)
 
 
 def run_module_as_main(module: str, run_dir: str, *args: str) -> None:
