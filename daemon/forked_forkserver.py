@@ -4,20 +4,20 @@ interpreter.
 Why: the agent has imported torch (~1.1 CPU-s) by the time it starts its forkserver
 (daemon/agent.py), and multiprocessing execs a new Python for the server, which imports torch
 again before its own preload (`torch._dynamo`, DeepSpeed, the trainer). Forked, the server
-starts with torch imported: one import less per agent start, CPU that every launch and restart
-of every node paid (on a 2-core machine about a third of the forkserver's start), and the
-workers can be forked that much sooner.
+starts with torch imported: one import less per agent start, which every launch (and
+relaunch) of every node paid: about half of the forkserver's CPU (2.4 -> 1.1-1.2 s on a 2-core
+VM), and its workers are forked that much sooner.
 
 How: `ForkServer.ensure_running` makes the listener socket and the "alive" pipe and hands them
 to `util.spawnv_passfds`, which execs `python -c 'from multiprocessing.forkserver import main;
 main(...)'`. `start` runs `ensure_running` with that one call swapped for a fork whose child
 becomes the same server: it closes every other descriptor (as the exec's close_fds did: above
-all the parent's end of the alive pipe, or the server would outlive its agent), restores the
-signal handlers a fresh interpreter has, runs `forkserver.main` and leaves by `os._exit`, so
-that it never returns into the caller's stack (whose handlers would write the agent's result
-file). What the parent had made before the fork is moved out of the cycle collector's reach
-(`gc.freeze`): an object of the parent's collected in the server would close a descriptor
-number the server may by then use for something else.
+all the parent's end of the alive pipe, or the server would outlive its agent), sets every
+signal handler the parent's Python code installed back to the default, runs `forkserver.main`
+and leaves by `os._exit`, so that it never returns into the caller's stack (whose handlers
+would write the agent's result file). What the parent had made before the fork is moved out
+of the cycle collector's reach (`gc.freeze`): an object of the parent's collected in the server
+would close a descriptor number the server may by then use for something else.
 
 Only a single-threaded process forks (a thread holding a lock at the fork leaves it held forever
 in the child), and only for the command line this module knows; otherwise the server is exec'd
@@ -124,23 +124,20 @@ def _close_fds_except(keep: tuple[int, ...]) -> None:
 
 
 def _default_signal_handlers() -> None:
-    """The handlers a fresh interpreter starts with: SIGINT raises KeyboardInterrupt, SIGPIPE
-    and SIGXFSZ are ignored, every other Python-level handler is back to the default."""
+    """The handlers an exec'd interpreter would start with: every handler Python code of this
+    process installed is back to the default (SIGINT's to KeyboardInterrupt). Dispositions
+    that are not Python functions stay: an exec keeps the ignored signals it inherits, and
+    Python ignores SIGPIPE and SIGXFSZ itself."""
     signal.set_wakeup_fd(-1)
-    ignored = {getattr(signal, n) for n in ("SIGPIPE", "SIGXFSZ") if hasattr(signal, n)}
     for sig in signal.valid_signals():
         try:
             current = signal.getsignal(sig)
         except (OSError, ValueError):
             continue
-        if sig == signal.SIGINT:
-            wanted: object = signal.default_int_handler
-        elif sig in ignored:
-            wanted = signal.SIG_IGN
-        else:
-            wanted = signal.SIG_DFL
-        if current is not None and current != wanted:
-            try:
-                signal.signal(sig, wanted)  # type: ignore[arg-type]
-            except (OSError, ValueError):  # SIGKILL, SIGSTOP...
-                pass
+        if not callable(current) or current is signal.default_int_handler:
+            continue  # SIG_DFL, SIG_IGN, None (set outside Python), or SIGINT's own default
+        try:
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT
+                          else signal.SIG_DFL)
+        except (OSError, ValueError):
+            pass

@@ -26,6 +26,7 @@ SCRIPT = textwrap.dedent("""
         queue.put({"marker": getattr(sys.modules.get("parent_marker"), "pid", None),
                    "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
                    "sigint_default": signal.getsignal(signal.SIGINT) == signal.default_int_handler,
+                   "sighup_ignored": signal.getsignal(signal.SIGHUP) == signal.SIG_IGN,
                    "parent": os.getppid()})
 
     if __name__ == "__main__":
@@ -38,6 +39,7 @@ SCRIPT = textwrap.dedent("""
         sys.modules["parent_marker"] = marker
         held = open(out / "held", "w")  # a descriptor of the parent's
         signal.signal(signal.SIGTERM, lambda *_: None)  # a handler of the parent's
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as if inherited ignored (nohup)
         atexit.register(lambda: (out / f"atexit-{os.getpid()}").touch())
         forked = forked_forkserver.start(["json"])
         server = forkserver._forkserver._forkserver_pid
@@ -86,11 +88,12 @@ def test_the_server_is_a_fork_that_holds_nothing_of_its_callers(tmp_path):
     # none of the caller's descriptors: not its file, nor its end of the alive pipe (or the
     # server would not end with the caller, below)
     assert r["held"].endswith("/held") and r["held"] not in r["fds"], r
-    # its child saw what the caller made before the start (a fork), a fresh interpreter's
+    # its child saw what the caller made before the start (a fork), an exec'd interpreter's
     # signal handlers, and was the server's child
     assert r["marker"] == r["caller"]
     assert r["exitcode"] == 0 and r["parent"] == r["server"]
     assert r["sigterm_default"] and r["sigint_default"]
+    assert r["sighup_ignored"]  # an exec keeps an ignored signal too
     # the caller gone, the server ended, and only the caller ran its exit handlers
     assert r["server_gone"]
     assert r["atexit_runs"] == [f"atexit-{r['caller']}"], r["atexit_runs"]
