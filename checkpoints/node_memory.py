@@ -164,19 +164,16 @@ class NodeArena:
         self._identity: tuple[int, int] | None = None  # (inode, size) of the mapped arena
         self._mapped: mmap.mmap | None = None  # that mapping (made or adopted here)
 
-    def create(self, nbytes: int, allocate: bool = True) -> mmap.mmap | None:
+    def create(self, nbytes: int) -> mmap.mmap | None:
         """A fresh arena file of `nbytes`, fully allocated and mapped shared; None (after one
         log line saying why) when there is no room, the caller then uses an anonymous arena.
-        Any earlier file of this rank (another layout, or a held copy not adopted) goes.
-        `allocate=False`: its pages are left to whoever writes them first (a restore's read
-        into it, snapshot.ArenaLoan, which then calls `allocate`), so that they are allocated
-        once, as the read writes them, not zeroed up front as well."""
+        Any earlier file of this rank (another layout, or a held copy not adopted) goes."""
         self.forget()
         old = self.arena_path.stat().st_size if self.arena_path.exists() else 0
         why = no_room(nbytes, self.folder.parent, reusable=old)
         if why is None:
             try:
-                return self._allocate(nbytes, allocate)
+                return self._allocate(nbytes)
             except OSError as e:  # e.g. the tmpfs filled meanwhile, or not ours to write
                 self.arena_path.unlink(missing_ok=True)
                 why = f"allocating {nbytes} bytes in {self.folder.parent} failed: {e}"
@@ -184,15 +181,12 @@ class NodeArena:
                     detail="the snapshot arena is anonymous memory: a crash restarts from disk")
         return None
 
-    def _allocate(self, nbytes: int, allocate: bool) -> mmap.mmap:
+    def _allocate(self, nbytes: int) -> mmap.mmap:
         self.folder.mkdir(mode=0o700, exist_ok=True)
         self.arena_path.unlink(missing_ok=True)
         fd = os.open(self.arena_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            if allocate:  # every page now: a full tmpfs cannot SIGBUS a save
-                os.posix_fallocate(fd, 0, nbytes)
-            else:
-                os.ftruncate(fd, nbytes)
+            os.posix_fallocate(fd, 0, nbytes)  # every page now: a full tmpfs cannot SIGBUS a save
             buf = mmap.mmap(fd, nbytes, mmap.MAP_SHARED)
             st = os.fstat(fd)
         finally:
@@ -200,23 +194,6 @@ class NodeArena:
         self._identity, self._mapped = (st.st_ino, st.st_size), buf
         log.info("node_memory_arena", path=str(self.arena_path), bytes=nbytes)
         return buf
-
-    def allocate(self) -> bool:
-        """Allocates every page of the arena made with `create(allocate=False)` that is not yet
-        (those its first writer wrote are): from now a full tmpfs cannot SIGBUS a save into it.
-        False (after one log line) when the tmpfs has no room for them."""
-        try:
-            fd = os.open(self.arena_path, os.O_RDWR)
-            try:
-                os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
-            finally:
-                os.close(fd)
-            return True
-        except OSError as e:
-            log.warning("node_memory_unavailable", reason=f"allocating the rest of "
-                        f"{self.arena_path} failed: {e}", detail="snapshots go to buffers of "
-                        "their own: a crash restarts from disk")
-            return False
 
     def adopt(self) -> tuple[mmap.mmap, Held] | None:
         """This rank's arena and what it holds, when its marker is valid for this rank's

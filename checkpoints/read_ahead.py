@@ -103,32 +103,40 @@ class ReadAhead:
             with ThreadPoolExecutor(self.readers, thread_name_prefix="ckpt-read") as pool:
                 files: list[_Hasher | _ChunkChecked] = []
                 for e in self.entries:
-                    opened = self._open(e, bad)
-                    if opened is None:
+                    path = self.root / e.path
+                    try:
+                        fd = os.open(path, os.O_RDONLY)
+                    except OSError as err:
+                        bad[e.path] = f"cannot open: {err.strerror}"
                         continue
-                    path, fd = opened
-                    if whole is not None and offset + e.size <= len(whole):
-                        view, offset = whole[offset:offset + e.size], _aligned(offset + e.size)
+                    size = os.fstat(fd).st_size
+                    if size != e.size:
+                        os.close(fd)
+                        bad[e.path] = f"size {size} bytes, recorded {e.size}"
+                        continue
+                    if whole is not None and offset + size <= len(whole):
+                        view, offset = whole[offset:offset + size], _aligned(offset + size)
                         placed.add(os.path.normpath(os.path.abspath(path)))
                     else:
-                        view = _own_buffer(e.size)
-                    files.append(self._start(e, path, fd, view, pool))
+                        view = memoryview(anonymous_buffer(size)) if size else memoryview(b"")
+                    if e.chunk_bytes:  # recorded per piece: each reader checks its own
+                        chunks = _pieces(size, e.chunk_bytes)
+                        checks = [pool.submit(_read_checked, fd, view[off:off + n], off, want)
+                                  for (off, n), want in zip(chunks, e.chunk_sha256, strict=True)]
+                        files.append(_ChunkChecked(e, path, fd, view, checks))
+                        continue
+                    chunks = _pieces(size, self.chunk)
+                    reads = [pool.submit(_pread_full, fd, view[off:off + n], off)
+                             for off, n in chunks]
+                    hasher = _Hasher(e, path, fd, view, chunks, reads)
+                    files.append(hasher)
+                    hasher.start()
                 for f in files:
-                    key = os.path.normpath(os.path.abspath(f.path))
                     problem = f.finish()
-                    if problem and key in placed:
-                        # read again into memory of its own: a node memory arena's tmpfs may
-                        # have filled during the read (the arena is allocated after it)
-                        placed.discard(key)
-                        opened = self._open(f.entry, bad)
-                        if opened is None:
-                            continue
-                        f = self._start(f.entry, *opened, _own_buffer(f.entry.size), pool)
-                        problem = f.finish()
                     if problem:
                         bad[f.entry.path] = problem
                     else:
-                        buffers[key] = f.view
+                        buffers[os.path.normpath(os.path.abspath(f.path))] = f.view
             self._result = ReadResult(buffers, bad, sum(len(b) for b in buffers.values()),
                                       time.perf_counter() - t0,
                                       frozenset(placed & set(buffers)))
@@ -137,40 +145,6 @@ class ReadAhead:
         finally:
             if self.into is not None:
                 self.into.done()
-
-    def _open(self, e: FileEntry, bad: dict[str, str]) -> tuple[Path, int] | None:
-        """`e`'s file, opened, when it has its recorded size; else None, with why in `bad`."""
-        path = self.root / e.path
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError as err:
-            bad[e.path] = f"cannot open: {err.strerror}"
-            return None
-        size = os.fstat(fd).st_size
-        if size != e.size:
-            os.close(fd)
-            bad[e.path] = f"size {size} bytes, recorded {e.size}"
-            return None
-        return path, fd
-
-    def _start(self, e: FileEntry, path: Path, fd: int, view: memoryview,
-               pool: ThreadPoolExecutor) -> _Hasher | _ChunkChecked:
-        """Queues the reads of `e`'s file into `view` (each checked against its recorded hash
-        as it lands); `finish()` of the result says what was wrong, if anything."""
-        if e.chunk_bytes:  # recorded per piece: each reader checks its own
-            chunks = _pieces(e.size, e.chunk_bytes)
-            checks = [pool.submit(_read_checked, fd, view[off:off + n], off, want)
-                      for (off, n), want in zip(chunks, e.chunk_sha256, strict=True)]
-            return _ChunkChecked(e, path, fd, view, checks)
-        chunks = _pieces(e.size, self.chunk)
-        reads = [pool.submit(_pread_full, fd, view[off:off + n], off) for off, n in chunks]
-        hasher = _Hasher(e, path, fd, view, chunks, reads)
-        hasher.start()
-        return hasher
-
-
-def _own_buffer(size: int) -> memoryview:
-    return memoryview(anonymous_buffer(size)) if size else memoryview(b"")
 
 
 def _pieces(size: int, chunk: int) -> list[tuple[int, int]]:

@@ -159,11 +159,9 @@ class ArenaLoan:
     is carved for snapshots only after `SnapshotCheckpointEngine.end_loan` found none of the
     read's bytes still referenced."""
 
-    def __init__(self, make: Callable[[], mmap.mmap], nbytes: int,
-                 complete: Callable[[mmap.mmap], bool] = lambda arena: True) -> None:
-        self._make, self._complete, self.nbytes = make, complete, nbytes
+    def __init__(self, make: Callable[[], mmap.mmap], nbytes: int) -> None:
+        self._make, self.nbytes = make, nbytes
         self.arena: mmap.mmap | None = None
-        self.usable = True  # False: its pages could not all be allocated after the read
         self.finished = threading.Event()  # the read is over: the arena may be registered
         self.registered = threading.Event()  # ... and its registration was tried
 
@@ -177,12 +175,7 @@ class ArenaLoan:
         return memoryview(self.arena)
 
     def done(self) -> None:
-        """The read is over: a node memory arena gets the pages the read did not write."""
-        try:
-            if self.arena is not None:
-                self.usable = self._complete(self.arena)
-        finally:
-            self.finished.set()
+        self.finished.set()
 
 
 class SnapshotCheckpointEngine(CheckpointEngine):
@@ -363,12 +356,6 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         if loan is not None:  # a restore reads into it: registered once the read is over
             loan.finished.wait()
             arena = loan.arena
-            if arena is not None and not loan.usable:  # the load reads it; saves may not
-                slot.refused = True
-                if slot.node is not None:
-                    slot.node.remove()
-                loan.registered.set()
-                return 0.0, 0.0
         if arena is None:
             arena = self._new_arena(slot, nbytes)
         address = ctypes.addressof(ctypes.c_char.from_buffer(arena))
@@ -407,16 +394,7 @@ class SnapshotCheckpointEngine(CheckpointEngine):
         slot = self._slots[0]
         if self._loan is not None or self._arena_thread is not None or slot.arena is not None:
             return None
-        node = slot.node
-
-        def make() -> mmap.mmap:  # a node memory file's pages are allocated as the read lands
-            arena = node.create(nbytes, allocate=False) if node is not None else None
-            return arena if arena is not None else anonymous_buffer(nbytes)
-
-        def complete(arena: mmap.mmap) -> bool:
-            return node is None or not node.owns(arena) or node.allocate()
-
-        self._loan = ArenaLoan(make, nbytes, complete)
+        self._loan = ArenaLoan(lambda: self._new_arena(slot, nbytes), nbytes)
         return self._loan
 
     def await_loan(self, timeout: float = 60.0) -> None:

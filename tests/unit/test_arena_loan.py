@@ -10,19 +10,14 @@ import os
 import threading
 from pathlib import Path
 
-import pytest
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
 
 from ds3d.checkpoints.manifest import FileEntry, hash_file_chunks
-from ds3d.checkpoints.node_memory import Fingerprint, NodeArena
 from ds3d.checkpoints.read_ahead import ALIGN, ReadAhead
 from ds3d.checkpoints.snapshot import SnapshotCheckpointEngine
 
-pytest_plugins = ["fixtures.tmpfs", "fixtures.shm"]
-
 ARENA = 8 << 20
-FP = Fingerprint(job_id="d" * 32, rank=0, world_size=1, tp=1, pp=1, dp=1, model_hash="m")
 
 
 def _entry(root: Path, rel: str, chunk: int = 1 << 20) -> FileEntry:
@@ -164,65 +159,3 @@ def test_no_loan_where_the_arena_is_already_there() -> None:
     assert idle.end_loan({}) is True  # nothing lent: nothing to end
     idle.close()
     assert threading.active_count() >= 1
-
-
-class _After:
-    """The loan, with `then(view)` run once the arena exists and before any byte is read."""
-
-    def __init__(self, loan, then) -> None:  # type: ignore[no-untyped-def]
-        self.loan, self.then = loan, then
-
-    def take(self, needed: int) -> memoryview | None:
-        view = self.loan.take(needed)
-        self.then(view)
-        return view
-
-    def done(self) -> None:
-        self.loan.done()
-
-
-def test_a_node_memory_arena_gets_its_pages_from_the_read_then_the_rest(
-        tmp_path: Path, shm: Path) -> None:
-    entries, data = _files(tmp_path)
-    engine = SnapshotCheckpointEngine(node=NodeArena(FP, shm))
-    loan = engine.lend_arena(ARENA)
-    assert loan is not None
-    arena_file = NodeArena(FP, shm).arena_path
-    allocated = []
-
-    def sparse(view: memoryview | None) -> None:
-        st = os.stat(arena_file)
-        allocated.append((st.st_size, st.st_blocks * 512))
-
-    engine.reserve_pinned(ARENA, pin=False)
-    result = ReadAhead(tmp_path, entries, into=_After(loan, sparse)).start().wait()
-    engine.wait_arena()
-    assert result.ok and len(result.placed) == len(data)
-    assert allocated == [(ARENA, 0)]  # nothing zeroed up front: the read allocates its pages
-    st = os.stat(arena_file)
-    assert st.st_blocks * 512 >= ARENA  # and then every other page, before any save
-    assert loan.usable and engine._arena is loan.arena and not engine._slots[0].refused
-    engine.close()
-
-
-@pytest.mark.tmpfs
-def test_a_node_memory_tmpfs_that_fills_during_the_read_costs_neither_file_nor_step(
-        tmp_path: Path, small_tmpfs, fill_disk) -> None:  # type: ignore[no-untyped-def]
-    root = small_tmpfs(96 << 20)  # the arena and node memory's 64 MiB margin
-    entries, data = _files(tmp_path)
-    engine = SnapshotCheckpointEngine(node=NodeArena(FP, root))
-    loan = engine.lend_arena(ARENA)
-    assert loan is not None
-    engine.reserve_pinned(ARENA, pin=False)
-    fills = _After(loan, lambda view: fill_disk(root))  # full once the sparse arena exists
-    result = ReadAhead(tmp_path, entries, into=fills).start().wait()
-    engine.wait_arena()
-    # the files whose pages the tmpfs refused were read again into memory of their own
-    assert result.ok, result.bad
-    assert {bytes(v) for v in result.buffers.values()} == set(data.values())
-    empty = os.path.normpath(os.path.abspath(tmp_path / "empty.bin"))
-    assert result.placed <= {empty}
-    # the arena could not get the rest of its pages: no snapshot may go there
-    assert not loan.usable and engine._arena is None and engine._slots[0].refused
-    assert not NodeArena(FP, root).arena_path.exists()
-    engine.close()
