@@ -106,3 +106,37 @@ def test_a_caller_running_threads_gets_the_execd_server(tmp_path):
     assert r["marker"] is None  # a fresh interpreter
     assert r["exitcode"] == 0 and r["parent"] == r["server"] and r["server_gone"]
     assert r["atexit_runs"] == [f"atexit-{r['caller']}"]
+
+
+AGENT_SCRIPT = textwrap.dedent("""
+    import json, os, sys, time
+    from multiprocessing import forkserver
+
+    from ds3d.daemon import agent
+
+    agent.PARALLEL_IMPORT_CPUS = int(sys.argv[1])
+    agent._start_forkserver([])
+    pid = forkserver._forkserver._forkserver_pid
+    for _ in range(600):  # until the server has exec'd or set its title
+        cmdline = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\\0", b" ").decode()
+        if "forkserver" in cmdline:
+            break
+        time.sleep(0.05)
+    print(json.dumps({"torch_in_agent": "torch" in sys.modules, "cmdline": cmdline}))
+""")
+
+
+def test_the_agent_starts_the_server_by_its_cpus():
+    """Many CPUs: a new interpreter, importing beside the agent (which has not imported torch
+    for it); few: a fork of the agent once torch is imported."""
+    def start(cpus_needed: int) -> dict:
+        out = subprocess.run([sys.executable, "-c", AGENT_SCRIPT, str(cpus_needed)],
+                             capture_output=True, text=True, timeout=120, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    parallel = start(1)
+    assert "from multiprocessing.forkserver import main" in parallel["cmdline"]
+    assert parallel["torch_in_agent"] is False
+    forked = start(10**6)
+    assert "from multiprocessing.forkserver import main" not in forked["cmdline"]
+    assert forked["torch_in_agent"] is True
