@@ -419,7 +419,10 @@ class SnapshotCheckpointEngine(CheckpointEngine):
                       if any(not ref.expired() for ref in users.get(path, [])))
         if not kept:
             for view in served.values():
-                view.release()
+                try:
+                    view.release()
+                except BufferError:  # exported to no tensor (checked above), but still lent out
+                    pass
             return True
         self.wait_arena()
         slot = self._slots[0]
