@@ -28,9 +28,10 @@ multiprocessing context with the "forkserver" start method, and the forkserver i
 DeepSpeed and the trainer once (TRAINER_PRELOAD). A worker (re)start then costs a fork instead of
 ~4 CPU-seconds of imports per rank (on a 2-core machine a 4-rank group started in ~10 s); no
 CUDA is touched before the fork. The forkserver is started first thing, so that its imports
-overlap the agent's rendezvous (a worker's first start came 1.2 s sooner on CPU), and as a fork
-of the agent once it has imported torch (daemon/forked_forkserver.py): torch is imported once
-per agent start, not twice.
+overlap the agent's rendezvous (a worker's first start came 1.2 s sooner on CPU). On a node with
+few CPUs it is a fork of the agent once it has imported torch (daemon/forked_forkserver.py):
+torch is imported once per agent start, not twice; with PARALLEL_IMPORT_CPUS or more it is a new
+interpreter importing beside the agent, which is sooner there.
 Each worker sets its process title (daemon/procs.py WorkerTitle) so that `ps` and the daemon
 still see which job and rank it is.
 
