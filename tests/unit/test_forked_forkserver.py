@@ -7,6 +7,7 @@ forkserver is one per process."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import textwrap
@@ -63,8 +64,11 @@ SCRIPT = textwrap.dedent("""
 def run_case(tmp_path: Path, mode: str) -> dict:
     script = tmp_path / "case.py"
     script.write_text(SCRIPT)
+    # SIGINT at its default, whoever started pytest: a shell's background job (CI's `.ci/run &`)
+    # starts with it ignored, and then an exec'd interpreter keeps it ignored too
     proc = subprocess.run([sys.executable, str(script), str(tmp_path), mode],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert proc.returncode == 0, proc.stderr
     result = json.loads((tmp_path / "result.json").read_text())
     deadline = time.monotonic() + 10
