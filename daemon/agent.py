@@ -241,16 +241,12 @@ def _start_forkserver(preload: list[str]) -> None:
     is a fork of the agent once the agent has imported torch, which it needs anyway
     (forked_forkserver.py): a fresh interpreter would import torch a second time; with
     PARALLEL_IMPORT_CPUS or more it is that fresh interpreter, importing beside the agent."""
-    if (os.cpu_count() or 1) >= PARALLEL_IMPORT_CPUS:
-        import multiprocessing
-        from multiprocessing import forkserver
+    from .forked_forkserver import start, start_exec
 
-        multiprocessing.set_forkserver_preload(preload)
-        forkserver.ensure_running()
+    if (os.cpu_count() or 1) >= PARALLEL_IMPORT_CPUS:
+        start_exec(preload)
         return
     import torch  # noqa: F401 - imported before the fork, for the server too
-
-    from .forked_forkserver import start
 
     if not start(preload):
         print("ds3d agent: the forkserver was started as a new interpreter (this process "

@@ -45,11 +45,11 @@ def start(preload: list[str]) -> bool:
     """Starts this process's forkserver, which imports `preload` before it forks any child;
     True if it is a fork of this process, False if it was exec'd (this process runs threads)
     or was already running."""
-    multiprocessing.set_forkserver_preload(preload)
     resource_tracker.ensure_running()  # exec'd as ever: it must not be a fork of this process
     if not single_threaded():
-        forkserver.ensure_running()
+        start_exec(preload)
         return False
+    multiprocessing.set_forkserver_preload(preload)
     forked: list[int] = []
     spawnv_passfds = util.spawnv_passfds
     util.spawnv_passfds = partial(_fork_server, preload, spawnv_passfds, forked)
@@ -58,6 +58,13 @@ def start(preload: list[str]) -> bool:
     finally:
         util.spawnv_passfds = spawnv_passfds
     return bool(forked)
+
+
+def start_exec(preload: list[str]) -> None:
+    """Starts this process's forkserver as multiprocessing does: a new interpreter, which
+    imports `preload` (torch first) beside this process."""
+    multiprocessing.set_forkserver_preload(preload)
+    forkserver.ensure_running()
 
 
 def single_threaded() -> bool:

@@ -55,10 +55,10 @@ class StartupProfile:
             text.write(f"== by {order} ==\n")
             stats.sort_stats(order).print_stats(TOP)
         imported = sorted(set(sys.modules) - self._modules)
-        self._modules |= set(imported)
+        self._modules = set(sys.modules)
         text.write(f"== modules first imported during this part ({len(imported)}) ==\n")
         text.write("\n".join(imported) + "\n")
-        (path.parent / (path.name + ".txt")).write_text(text.getvalue())
+        Path(str(path) + ".txt").write_text(text.getvalue())
         if next_part:
             self._profile = cProfile.Profile()
             self._profile.enable()
