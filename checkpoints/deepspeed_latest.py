@@ -11,13 +11,18 @@ where a tool would look, and only for committed checkpoints:
     `files/` (e.g. `aws s3 sync`) is a complete DeepSpeed checkpoint folder. It is written just
     before the MANIFEST and is not part of it: it holds nothing a restore needs.
 
-Both are written atomically (a temporary name, then a rename; one small PUT in a store).
+Both are written atomically (a temporary name, then a rename; one small PUT in a store). The
+local one is refreshed under an exclusive lock on `L/.latest.lock`: a committing upload thread and
+a rollback's delete (in one process or in several ranks of a node) each decide and write as one
+step, so the last refresh always sees every delete before it and `latest` never names a removed tag.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
+import threading
 from pathlib import Path
 
 from . import layout
@@ -38,9 +43,17 @@ def write_store_latest(storage: Storage, step: int, tag: str) -> None:
 def refresh_local_latest(local_dir: str | Path) -> str | None:
     """Points `L/latest` at the newest committed tag whose folder is in the local tier (removes
     it when there is none); returns the tag written."""
+    root = Path(local_dir)
+    if not root.is_dir():
+        return None
+    with open(root / f".{LATEST}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _refresh_locked(root)
+
+
+def _refresh_locked(root: Path) -> str | None:
     from .manifest import Manifest
 
-    root = Path(local_dir)
     state = root / layout.LOCAL_STATE_DIR
     steps = sorted((int(m.group(1)) for p in state.glob(f"step-*/{layout.MANIFEST_NAME}")
                     if (m := _STEP_DIR_RE.match(p.parent.name))), reverse=True)
@@ -62,7 +75,7 @@ def refresh_local_latest(local_dir: str | Path) -> str | None:
             return target
     except OSError:
         pass
-    tmp = root / f".{LATEST}.{os.getpid()}.tmp"
+    tmp = root / f".{LATEST}.{os.getpid()}.{threading.get_ident()}.tmp"
     tmp.write_text(target)
     os.replace(tmp, path)
     return target

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -272,6 +273,8 @@ def save_local_manifest(local_dir: str | Path, manifest: Manifest) -> None:
     if path.is_file() and path.read_bytes() == data:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    # every rank of a node restores (and the committer's upload thread commits) into one
+    # folder: a temporary name of its own for each writer
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}.{threading.get_ident()}")
     tmp.write_bytes(data)
     os.replace(tmp, path)

@@ -82,7 +82,8 @@ def write_marker(local_dir: str | Path, step: int, rank: int, state: MarkerState
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {"state": state, "step": step, "rank": rank, "time": time.time(), "error": error,
               "files": files, "meta": meta.model_dump(mode="json") if meta else None}
-    tmp = path.with_name(path.name + ".tmp")
+    # the upload thread and the main thread (a rollback's drop) may mark one step at once
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}.{threading.get_ident()}")
     try:
         tmp.write_text(json.dumps(record))
     except OSError:  # a full disk: no partial temp file (nor a folder of nothing) is left

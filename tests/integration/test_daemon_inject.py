@@ -70,7 +70,7 @@ def test_inject_writes_control_file(tmp_path):
         second = json.loads(inject_file.read_text())
         assert second["id"] == 2 and second["kind"] == "slow" and second["rank"] == 0
         assert step_now + 1 <= second["at_step"] <= d.job("fi")["step"] + 1
-        assert not list(inject_file.parent.glob(".*.tmp"))  # tmp + rename left nothing behind
+        assert not list(inject_file.parent.glob(".*.tmp*"))  # tmp + rename left nothing behind
 
         assert "rank=2" in one_line(d.ctl("inject", "fi", "hang", "--rank", "2"))
         # ds3dctl refuses a negative step before sending; ds3dd refuses it from any client

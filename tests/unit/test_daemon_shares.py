@@ -88,7 +88,7 @@ def test_inject_file_is_atomic_and_checked(tmp_path):
     text = jobdir.write_inject(4, "hang", 1, 17)
     d = json.loads(text)
     assert (d["id"], d["kind"], d["rank"], d["at_step"]) == (4, "hang", 1, 17)
-    assert jobdir.inject()["kind"] == "hang" and not list(jobdir.control.glob(".*.tmp"))
+    assert jobdir.inject()["kind"] == "hang" and not list(jobdir.control.glob(".*.tmp*"))
     with pytest.raises(ValueError):
         jobdir.write_inject(5, "melt", 0, 1)
 

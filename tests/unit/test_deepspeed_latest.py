@@ -1,6 +1,9 @@
 """DeepSpeed's `latest` in the local tier names the newest committed tag that is there, also
 after a delete (retention or rollback) removed the one it named."""
 
+import shutil
+import threading
+
 from ds3d.checkpoints.catalog import Catalog
 from ds3d.checkpoints.deepspeed_latest import refresh_local_latest
 from ds3d.checkpoints.manifest import (
@@ -33,3 +36,41 @@ def test_latest_follows_commits_and_deletes(tmp_path):
     assert (tmp_path / "latest").read_text() == "global_step5"
     Catalog(None, tmp_path).delete(5)
     assert not (tmp_path / "latest").exists()
+
+
+def test_concurrent_refreshes_never_fail_and_end_on_the_newest_tag(tmp_path):
+    """Rank 0's upload thread refreshes `latest` after a commit while its main thread's rollback
+    deletes a step and refreshes too (CI of 12-06: both wrote one temporary name, and one's
+    rename found it gone). Threads racing deletes and re-creations never fail, and the refresh
+    after the last change names the newest tag present."""
+    _committed(tmp_path, 5)
+    _committed(tmp_path, 10)
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def refresher() -> None:
+        while not stop.is_set():
+            try:
+                refresh_local_latest(tmp_path)
+            except BaseException as e:  # noqa: BLE001 - any failure fails the test
+                errors.append(e)
+                return
+
+    threads = [threading.Thread(target=refresher) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        for _ in range(150):  # step 10's folder comes and goes: `latest` flips between tags
+            shutil.rmtree(tmp_path / "global_step10")
+            refresh_local_latest(tmp_path)
+            (tmp_path / "global_step10").mkdir()
+            refresh_local_latest(tmp_path)
+        shutil.rmtree(tmp_path / "global_step10")
+        refresh_local_latest(tmp_path)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert errors == []
+    assert (tmp_path / "latest").read_text() == "global_step5"
+    assert not list(tmp_path.glob(".latest.*.tmp"))
