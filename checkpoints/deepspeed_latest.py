@@ -11,7 +11,8 @@ where a tool would look, and only for committed checkpoints:
     `files/` (e.g. `aws s3 sync`) is a complete DeepSpeed checkpoint folder. It is written just
     before the MANIFEST and is not part of it: it holds nothing a restore needs.
 
-Both are written atomically (a temporary name, then a rename; one small PUT in a store). The
+Both are written atomically (a temporary name, then a rename: atomic_file.py; one small PUT in
+a store). The
 local one is refreshed under an exclusive lock on `L/.latest.lock`: a committing upload thread and
 a rollback's delete (in one process or in several ranks of a node) each decide and write as one
 step, so the last refresh always sees every delete before it and `latest` never names a removed tag.
@@ -20,12 +21,11 @@ step, so the last refresh always sees every delete before it and `latest` never 
 from __future__ import annotations
 
 import fcntl
-import os
 import re
-import threading
 from pathlib import Path
 
 from . import layout
+from .atomic_file import replace_file
 from .storage import Storage
 
 LATEST = "latest"
@@ -75,7 +75,5 @@ def _refresh_locked(root: Path) -> str | None:
             return target
     except OSError:
         pass
-    tmp = root / f".{LATEST}.{os.getpid()}.{threading.get_ident()}.tmp"
-    tmp.write_text(target)
-    os.replace(tmp, path)
+    replace_file(path, target)
     return target

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import threading
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -21,6 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from .atomic_file import replace_file
 from .layout import check_rel_path, local_manifest_path
 
 FORMAT_VERSION = 1
@@ -273,8 +273,4 @@ def save_local_manifest(local_dir: str | Path, manifest: Manifest) -> None:
     if path.is_file() and path.read_bytes() == data:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    # every rank of a node restores (and the committer's upload thread commits) into one
-    # folder: a temporary name of its own for each writer
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}.{threading.get_ident()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    replace_file(path, data)  # every rank of a node restores into one folder

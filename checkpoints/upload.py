@@ -47,6 +47,7 @@ import structlog
 from pydantic import ValidationError
 
 from . import layout
+from .atomic_file import replace_file
 from .deepspeed_latest import refresh_local_latest, write_store_latest
 from .disk_space import is_disk_full
 from .errors import CheckpointError, ConfigError, Ds3dError, NotFoundError
@@ -82,16 +83,12 @@ def write_marker(local_dir: str | Path, step: int, rank: int, state: MarkerState
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {"state": state, "step": step, "rank": rank, "time": time.time(), "error": error,
               "files": files, "meta": meta.model_dump(mode="json") if meta else None}
-    # the upload thread and the main thread (a rollback's drop) may mark one step at once
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}.{threading.get_ident()}")
-    try:
-        tmp.write_text(json.dumps(record))
+    try:  # the upload thread and a rollback's drop (main thread) may mark one step at once
+        replace_file(path, json.dumps(record))
     except OSError:  # a full disk: no partial temp file (nor a folder of nothing) is left
-        tmp.unlink(missing_ok=True)
         with suppress(OSError):
             path.parent.rmdir()  # only when empty: another marker or record keeps it
         raise
-    os.replace(tmp, path)
 
 
 def read_marker(path: str | Path) -> dict[str, Any] | None:

@@ -73,4 +73,4 @@ def test_concurrent_refreshes_never_fail_and_end_on_the_newest_tag(tmp_path):
             t.join()
     assert errors == []
     assert (tmp_path / "latest").read_text() == "global_step5"
-    assert not list(tmp_path.glob(".latest.*.tmp"))
+    assert not list(tmp_path.glob(".latest.tmp*"))
