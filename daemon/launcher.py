@@ -48,7 +48,7 @@ AGENT_EXIT_GRACE_S = 5.0  # an agent alive this long after writing its result is
 # c10d rendezvous tuned for fast re-rendezvous after a node loss (FIELD-NOTES: ~8.5 s instead of
 # ~45 s); `is_host=False` because the store lives in its own process (rendezvous.py). A node whose
 # heartbeat is older than interval x attempts is dropped, also from a round that has just formed:
-# its peers then train without it, under min_nodes, while it waits for its ranks until a timeout
+# its peers then train without it, below min_nodes, while it waits for its ranks until a timeout
 # (a stress run of 12-06: an agent starved of CPU for 2 s). 4 attempts tolerate such a stall; a
 # dead node is dropped 2 s later than with 2 (the lost-node drill: noticed 8.0 -> 8.6 s).
 RDZV_CONFIGS: dict[str, object] = {
