@@ -896,6 +896,11 @@ def _goodput_run(args, name: str, window_s: float, faults: list[tuple[float, str
     all_recs = recs()
     if t_first is None:
         return {"error": _worker_log(run_dir, log)[-3000:]}
+    # the next run needs the disk: a fault-free run's ~2 states left behind filled the 64 GB
+    # disk in the 2026-12-06 long run, and every durable save of its faulty run after the first
+    # failed for want of space (training went on, as it should)
+    free_before = shutil.disk_usage(run_dir).free
+    _drop_checkpoints(run_dir)
     t_end = t_first + window_s
     inside = [r for r in all_recs if r["kind"] == "step" and r["time"] <= t_end]
     first_step, last_step = inside[0]["step"], inside[-1]["step"]
@@ -912,8 +917,14 @@ def _goodput_run(args, name: str, window_s: float, faults: list[tuple[float, str
            "memory_interval_steps": cfg.checkpoint.memory_interval,
            "saves": [r for r in all_recs if r["kind"] == "checkpoint" and
                      r.get("phase") in ("saved", "local_complete", "committed",
-                                        "held_in_memory", "memory_snapshots_off")
-                     and r["time"] <= t_end]}
+                                        "held_in_memory", "memory_snapshots_off", "failed",
+                                        "skipped")
+                     and r["time"] <= t_end],
+           "disk_free_at_end_GB": round(free_before / 1e9, 1)}
+    failed = [r for r in out["saves"] if r["phase"] in ("failed", "skipped")]
+    if failed:  # a save that could not be made changes what the run measures: said loudly
+        out["saves_not_made"] = len(failed)
+        progress(f"{name}: {len(failed)} save(s) not made", first=failed[0].get("detail"))
     out["saves"] = [{k: r[k] for k in ("phase", "step", "blocked_s", "seconds", "detail", "cause",
                                        "write_s", "hash_wait_s", "hash_s", "read_back_files",
                                        "local_complete_s") if k in r}
@@ -944,6 +955,15 @@ def _goodput_run(args, name: str, window_s: float, faults: list[tuple[float, str
             except StopIteration:
                 out["crash_restore"] = {"error": "a phase record is missing"}
     return out
+
+
+def _drop_checkpoints(run_dir: Path) -> None:
+    """Removes a measured run's checkpoints (its local tier and file store, ~20 GB a state),
+    keeping what the results are read from: job.json, reports, logs, control, worker.log."""
+    keep = {"job.json", "reports", "logs", "control", "worker.log"}
+    for entry in run_dir.iterdir():
+        if entry.name not in keep:
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
 
 
 def sec_goodput(args) -> dict:
