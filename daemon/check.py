@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ds3d.trainer.config import JobConfig, build_job_config, validate_for_daemon
+from ds3d.trainer.config import JobConfig, build_job_config, job_warnings, validate_for_daemon
 
 
 @dataclass(frozen=True)
@@ -72,11 +72,16 @@ def _memory(cfg: JobConfig, source: str) -> str:
     return breakdown(estimate(cfg))
 
 
+def _warnings(cfg: JobConfig, source: str) -> str:
+    return "\n".join(f"- {w}" for w in job_warnings(cfg)) or "(none)"
+
+
 SECTION_BUILDERS: list[tuple[str, Callable[[JobConfig, str], str]]] = [
     ("effective job (TOML)", _job_toml),
     ("DeepSpeed config the workers get (at the configured dp)", _deepspeed),
     ("accepted keys that change nothing in ds3d", _notes),
     ("predicted peak memory per rank", _memory),
+    ("warnings", _warnings),  # last: what a terminal shows without scrolling
 ]
 
 

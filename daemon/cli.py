@@ -36,6 +36,7 @@ from typing import Any, NoReturn, cast
 
 import grpc
 
+from ds3d.trainer.config import job_warnings
 from ds3d.trainer.errors import Ds3dError
 from ds3d.trainer.kinds import EventKind, FaultKind
 from ds3d.v1 import control_pb2 as pb
@@ -205,14 +206,26 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+class _Once(argparse.Action):
+    """A file option given twice is refused: argparse keeps the last, and every setting of
+    the first file would be dropped without a word."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        earlier = getattr(namespace, self.dest, None)
+        if earlier is not None and earlier != values:
+            parser.error(f"{option_string} given twice ({earlier} and {values}); give one file")
+        setattr(namespace, self.dest, values)
+
+
 def _job_arguments(s: argparse.ArgumentParser) -> None:
     """The job arguments `start` and `check` share."""
     s.add_argument("source", metavar="PRESET|CONFIG.toml|NEOX.yml", nargs="?")
-    s.add_argument("--deepspeed", metavar="DS_CONFIG.json",
+    s.add_argument("--deepspeed", metavar="DS_CONFIG.json", action=_Once,
                    help="a DeepSpeed JSON, translated into the job's settings (sets "
                    "train.deepspeed_config; see docs/deepspeed-configs.md)")
-    s.add_argument("--neox", metavar="NEOX.yml", help="a GPT-NeoX YAML as the job, translated "
-                   "where ds3d's model can express it")
+    s.add_argument("--neox", metavar="NEOX.yml", action=_Once, help="a GPT-NeoX YAML as the "
+                   "job, translated where ds3d's model can express it")
     s.add_argument("--name")
     s.add_argument("--tp", type=int)
     s.add_argument("--pp", type=int)
@@ -526,6 +539,8 @@ def run(args: argparse.Namespace, out: Any = sys.stdout) -> int:
         if args.command == "check":
             print(render(check_sections(cfg, source)), file=out)
             return 0
+        for warning in job_warnings(cfg):
+            print(f"ds3dctl: warning: {warning}", file=sys.stderr)
         client = Client(args)
         job = client.call("StartJob", pb.StartJobRequest(config_json=cfg.dump_json())).job
         if args.json:

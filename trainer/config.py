@@ -144,7 +144,9 @@ class ZeroOptions(_Section):
     stage3_max_live_parameters: int | None = Field(default=None, ge=0, le=1 << 40)
     stage3_max_reuse_distance: int | None = Field(default=None, ge=0, le=1 << 40)
     stage3_gather_16bit_weights_on_model_save: bool | None = None
-    sub_group_size: int | None = Field(default=None, gt=0, le=1 << 40)
+    # elements per optimizer sub-group: larger than the model = one group (Hugging Face's
+    # ZeRO-3 config writes 1e14)
+    sub_group_size: int | None = Field(default=None, gt=0, le=1 << 62)
 
 
 class ParallelConfig(_Section):
@@ -553,14 +555,20 @@ def _path_of_key(data: Any, key: str, prefix: str = "") -> str | None:
 _EXPLAINED_MAX = 20  # problems listed in one refusal (a fuzzed request can have thousands)
 
 
-def explain(err: ValidationError, source: str) -> str:
+def explain(err: ValidationError, source: str,
+            from_json: dict[tuple[str, ...], str] | None = None) -> str:
     """A pydantic error as lines a person can act on: the field, the value, what is wrong, and
     the allowed range. Values are shortened: a refusal must stay small enough for a gRPC
-    status message whatever the request held."""
+    status message whatever the request held. A field whose value came from the user's
+    DeepSpeed JSON (`from_json`: field -> JSON key) is named by its JSON key too."""
     lines = []
     errors = err.errors()
     for e in errors[:_EXPLAINED_MAX]:
         where = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        key = next((k for f, k in (from_json or {}).items()
+                    if tuple(e["loc"][:len(f)]) == f), None)
+        if key is not None:
+            where = f"{key} (the DeepSpeed JSON) -> {where}"
         value = _short(e.get("input"))
         if e["type"] == "extra_forbidden":
             lines.append(f"{_clip(where)}: unknown setting; check the spelling (see "
@@ -579,12 +587,20 @@ def explain(err: ValidationError, source: str) -> str:
                          f"value itself, e.g. 8 not \"8\", true not \"true\", 1 not true")
         elif e["type"] in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
             lines.append(f"{where}={value}: {e['msg']}{_range_hint(e['loc'])}")
+        elif e["type"] in ("model_type", "model_attributes_type", "dict_type"):
+            lines.append(f"{where}={value}: expected a section (a [table] in TOML, an object "
+                         "in JSON) of settings, not a single value")
+        elif e["type"] in ("tuple_type", "list_type"):
+            lines.append(f"{where}={value}: expected a list, e.g. "
+                         f"{_EXAMPLES.get(e['loc'][-1], '[...]')}")
         else:
             lines.append(f"{where}={value}: {e['msg'].removeprefix('Value error, ')}")
     if len(errors) > _EXPLAINED_MAX:
         lines.append(f"... and {len(errors) - _EXPLAINED_MAX} more problems")
     return f"invalid job configuration ({source}):\n  " + "\n  ".join(lines)
 
+
+_EXAMPLES = {"betas": "[0.9, 0.95] (beta1, beta2, each 0 <= b < 1)"}  # list-valued settings
 
 # repr with bounded work: a YAML value of anchors can expand to gigabytes when printed whole
 _BOUNDED_REPR = reprlib.Repr()
@@ -651,6 +667,9 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw
+    except RecursionError:
+        from .ds_config_import import too_deep
+        raise ConfigError(too_deep(f"--set {key}=...", "a setting's value")) from None
     return path, value
 
 
@@ -677,6 +696,9 @@ def build_job_config(source: str, overrides: list[str] | None = None,
         except tomllib.TOMLDecodeError as e:
             from .neox_import import not_toml_message
             raise ConfigError(not_toml_message(path, e)) from None
+        except RecursionError:
+            from .ds_config_import import too_deep
+            raise ConfigError(too_deep(source, "a TOML job file")) from None
         explicit = {k: source for k in _leaf_paths(raw) if k[0] != "preset"}
         base = raw.pop("preset", None)
         data = _deep_merge(preset_dict(base), raw) if base else raw
@@ -693,6 +715,7 @@ def build_job_config(source: str, overrides: list[str] | None = None,
             if not isinstance(node, dict):
                 raise ConfigError(f"--set {item!r}: {p!r} is a value, not a section")
         written = _leaf_paths(value, tuple(path)) if isinstance(value, dict) else [tuple(path)]
+        _one_deepspeed_config(node, path, value, explicit)
         if isinstance(value, dict) and isinstance(node.get(path[-1]), dict):
             # a table merges key by key, as a TOML file over its preset: replacing the section
             # would drop what the file (or an earlier --set) wrote there without a word
@@ -704,25 +727,44 @@ def build_job_config(source: str, overrides: list[str] | None = None,
     preset = data.get("preset")
     name_from_file = "name" not in data and not (isinstance(preset, str) and preset)
     data.setdefault("name", preset if isinstance(preset, str) and preset else Path(source).stem)
-    translation = None
+    translation, from_json = None, {}
     if isinstance(data.get("train"), dict) and data["train"].get("deepspeed_config"):
-        from .ds_config_import import import_into  # its keys become fields (one meaning)
-        translation = import_into(data, explicit)
+        from .ds_config_import import import_into, mapped_from_json
+        translation = import_into(data, explicit)  # its keys become fields (one meaning)
+        from_json = mapped_from_json(translation, explicit)
     try:
         cfg = JobConfig.model_validate(data)
     except ValidationError as e:
-        message = explain(e, source)
+        message = explain(e, source, from_json)
         if name_from_file and not valid_job_name(data["name"]):
             message += "\n  " + _file_name_hint(source, data["name"])
+        if translation is not None and translation.problems:  # all of the file's at once
+            from .ds_config_import import refusal
+            message = refusal(data["train"]["deepspeed_config"], translation.problems) + \
+                "\n" + message
         raise ConfigError(message) from None
     if translation is not None:
-        from .ds_config_import import check_translated
+        from .ds_config_import import check_translated, refusal
+        if translation.problems:
+            raise ConfigError(refusal(cfg.train.deepspeed_config, translation.problems))
         check_translated(cfg, translation)
     validate_job(cfg)
     validate_tokenizer(cfg)
     if why := _s3_settings_problem(cfg):
         raise ConfigError(f"job {cfg.name!r} cannot run as configured:\n  - {why}")
     return cfg
+
+
+def _one_deepspeed_config(node: dict[str, Any], path: list[str], value: Any,
+                          explicit: dict[tuple[str, ...], str]) -> None:
+    """Two DeepSpeed JSONs for one job (the TOML file's and --deepspeed, or --deepspeed and
+    --set train.deepspeed_config) are refused: the later would drop every key of the
+    earlier without a word, which a later --set never does to a whole file elsewhere."""
+    key = ("train", "deepspeed_config")
+    earlier = explicit.get(key)
+    if tuple(path) == key and earlier is not None and node.get("deepspeed_config") != value:
+        raise ConfigError(f"two DeepSpeed configs for one job: {node.get('deepspeed_config')!r} "
+                          f"and {value!r}; give one (merge them into one file)")
 
 
 def _file_name_hint(source: str, stem: str) -> str:
@@ -746,6 +788,19 @@ def _s3_settings_problem(cfg: JobConfig) -> str | None:
             + (repr(cfg.checkpoint.store) if cfg.checkpoint.store else
                "unset (the job folder's file:// store)")
             + ": set checkpoint.store = \"s3://bucket/prefix\", or remove [checkpoint.s3]")
+
+
+def job_warnings(cfg: JobConfig) -> list[str]:
+    """Settings that run but are likely not what was meant; said by `ds3dctl check` and
+    `ds3dctl start`, not refused: a preset's warm-up under a short smoke-test `--steps` is a
+    legitimate job."""
+    t, out = cfg.train, []
+    if t.warmup_steps > t.steps:
+        out.append(f"train.warmup_steps={t.warmup_steps} is more than train.steps={t.steps}: "
+                   f"the learning rate rises only to {t.steps / t.warmup_steps:.0%} of "
+                   f"train.lr={t.lr:g} and never decays; unless this is a smoke test, lower it "
+                   f"(e.g. --set train.warmup_steps={max(1, t.steps // 20)})")
+    return out
 
 
 def _leaf_paths(raw: dict[str, Any], prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:

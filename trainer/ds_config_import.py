@@ -129,6 +129,8 @@ def read_deepspeed_json(path: str | Path) -> dict[str, Any]:
 
     try:
         data = json.loads(text, object_pairs_hook=no_duplicates)
+    except RecursionError:
+        raise ConfigError(too_deep(str(path), "a DeepSpeed JSON")) from None
     except json.JSONDecodeError as e:
         data = _as_deepspeed_reads_it(text, no_duplicates)
         if data is None:
@@ -137,6 +139,13 @@ def read_deepspeed_json(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: a DeepSpeed config is a JSON object ({{...}}), "
                           f"not a {type(data).__name__}")
     return data
+
+
+def too_deep(where: str, what: str) -> str:
+    """The refusal of a file or value nested deeper than Python's parsers recurse (thousands of
+    brackets: never a config, and its traceback would say nothing)."""
+    return (f"{where} nests objects or lists too deeply to be {what}; check that it is the "
+            "file or value you meant")
 
 
 def _not_json_message(path: Path, text: str, err: json.JSONDecodeError) -> str:
@@ -182,6 +191,15 @@ def _as_deepspeed_reads_it(text: str, hook: Any) -> dict[str, Any] | None:
 
 def _given(v: Any) -> bool:
     return v is not None and v != AUTO
+
+
+def _auto(tr: Translation, key: str, v: Any, decides: str) -> bool:
+    """Hugging Face's "auto" ("the trainer decides"): accepted, and said which ds3d setting
+    decides, so that `ds3dctl check` accounts for every key of the file."""
+    if v != AUTO:
+        return False
+    tr.notes.append(f"{key}=\"auto\": {decides} decides")
+    return True
 
 
 def _number(tr: Translation, key: str, v: Any, *, integer: bool = False) -> bool:
@@ -316,7 +334,9 @@ def _precision_block(kind: str) -> Callable[[Translation, str, Any], None]:
             if k == "enabled":
                 continue
             if kind == "fp16" and k in _FP16_FIELDS:
-                if _given(v) and _number(tr, full, v, integer=k != "min_loss_scale"):
+                if _auto(tr, full, v, f"train.{_FP16_FIELDS[k]}"):
+                    continue
+                if _number(tr, full, v, integer=k != "min_loss_scale"):
                     tr.set(("train", _FP16_FIELDS[k]),
                            float(v) if k == "min_loss_scale" else int(v), full)
             elif kind == "fp16" and k == "loss_scale":
@@ -325,7 +345,7 @@ def _precision_block(kind: str) -> Callable[[Translation, str, Any], None]:
                               "fp16 losses dynamically; set 0 (dynamic) and tune "
                               "initial_scale_power / loss_scale_window / hysteresis")
                 else:
-                    tr.notes.append(f"{full}=0: dynamic loss scaling, as ds3d does")
+                    tr.notes.append(f"{full}={shown(v)}: dynamic loss scaling, as ds3d does")
             elif k in ("auto_cast", "consecutive_hysteresis", "fp16_master_weights_and_grads",
                        "bf16_master_weights_and_grads", "bf16_optimizer_states",
                        "immediate_grad_update"):
@@ -357,13 +377,30 @@ _ZERO_ALIASES = {"stage3_gather_fp16_weights_on_model_save":
                  "stage3_gather_16bit_weights_on_model_save"}
 
 
+# ZeRO keys ds3d accepts only at DeepSpeed's default (deepspeed/runtime/zero/config.py), where
+# a config restating the default changes nothing
+_ZERO_AT_DEFAULT: dict[str, Any] = {
+    "load_from_fp32_weights": True, "ignore_unused_parameters": True,
+    "use_multi_rank_bucket_allreduce": True, "compute_grad_norm": True,
+    "memory_efficient_linear": True, "override_module_apply": True,
+    "zero_hpz_partition_size": 1,
+    "zero_quantized_weights": False, "zero_quantized_nontrainable_weights": False,
+    "zero_quantized_gradients": False, "legacy_stage1": False, "parameter_alignment": False,
+    "pipeline_loading_checkpoint": False, "log_trace_cache_warnings": False,
+    "enable_sanity_checks": False}
+
+
 def _zero(tr: Translation, key: str, value: Any) -> None:
+    if isinstance(value, bool):  # DeepSpeed's deprecated form (`read_zero_config_deprecated`)
+        tr.set(("parallel", "zero_stage"), int(value), key)  # true: {"stage": 1}
+        return
     block = _section(tr, key, value)
     for k, v in block.items():
         full = f"{key}.{k}"
         name = _ZERO_ALIASES.get(k, k)
         if k == "stage":
-            if _given(v) and _number(tr, full, v, integer=True):
+            if not _auto(tr, full, v, "parallel.zero_stage") and \
+                    _number(tr, full, v, integer=True):
                 tr.set(("parallel", "zero_stage"), int(v), full)
         elif name in _ZERO_TUNING:
             if _given(v):
@@ -380,6 +417,8 @@ def _zero(tr: Translation, key: str, value: Any) -> None:
                   "ds3d does not offload to CPU/NVMe; it shards with ZeRO over DP ranks")
         elif k == "cpu_offload":
             _only(tr, full, v, False, "ds3d does not offload to CPU")
+        elif k in _ZERO_AT_DEFAULT:
+            _only(tr, full, v, _ZERO_AT_DEFAULT[k], "DeepSpeed's default, which ds3d keeps")
         elif k == "elastic_checkpoint":
             _only(tr, full, v, False, "ds3d reshapes checkpoints through DeepSpeed's universal "
                   "checkpoint (checkpoints/reshape.py)")
@@ -406,10 +445,10 @@ def _optimizer(tr: Translation, key: str, value: Any) -> None:
     for k, v in params.items():
         full = f"{key}.params.{k}"
         if k in ("lr", "eps", "weight_decay"):
-            if _given(v) and _number(tr, full, v):
+            if not _auto(tr, full, v, f"train.{k}") and _number(tr, full, v):
                 tr.set(("train", k), float(v), full)
         elif k == "betas":
-            if _given(v):
+            if not _auto(tr, full, v, "train.betas"):
                 if (isinstance(v, list) and len(v) == 2
                         and all(isinstance(b, (int, float)) and not isinstance(b, bool)
                                 for b in v)):
@@ -502,12 +541,12 @@ def _activation_checkpointing(tr: Translation, key: str, value: Any) -> None:
 
 
 def _grad_clip(tr: Translation, key: str, v: Any) -> None:
-    if _given(v) and _number(tr, key, v):
+    if not _auto(tr, key, v, "train.grad_clip") and _number(tr, key, v):
         tr.set(("train", "grad_clip"), float(v), key)
 
 
 def _steps_per_print(tr: Translation, key: str, v: Any) -> None:
-    if _given(v) and _number(tr, key, v, integer=True):
+    if not _auto(tr, key, v, "train.steps_per_print") and _number(tr, key, v, integer=True):
         tr.set(("train", "steps_per_print"), int(v), key)
 
 
@@ -615,8 +654,9 @@ def _same(a: Any, b: Any) -> bool:
 def import_into(data: dict[str, Any], explicit: dict[FieldPath, str]) -> Translation:
     """Applies `data['train']['deepspeed_config']` to the job dict `data` in place.
     `explicit` names the fields the user wrote (path -> "the TOML file" or "--set"); a JSON
-    value that differs from one of them is refused naming both. Raises ConfigError listing
-    every problem at once."""
+    value that differs from one of them is refused naming both. The refused keys are left in
+    `problems`, not raised, so that the caller reports them with the schema's verdict on the
+    values that were mapped (`refusal`): every problem of the file in one answer."""
     path = _get(data, ("train", "deepspeed_config"))
     ds = read_deepspeed_json(path)
     dp = _get(data, ("parallel", "dp"))
@@ -634,13 +674,21 @@ def import_into(data: dict[str, Any], explicit: dict[FieldPath, str]) -> Transla
                 f"{tr.origin[fpath]} means {'.'.join(fpath)}={shown(value)}, but "
                 f"{where} sets {'.'.join(fpath)}={shown(_get(data, fpath))}; remove one "
                 "of the two (a DeepSpeed JSON never silently overrides a ds3d setting)")
-    if tr.problems:
-        raise ConfigError(f"train.deepspeed_config={path!r} cannot be used as it is:\n  - "
-                          + "\n  - ".join(tr.problems))
     for fpath, value in tr.fields.items():
         if fpath not in explicit:
             _put(data, fpath, value)
     return tr
+
+
+def refusal(path: Any, problems: list[str]) -> str:
+    return (f"train.deepspeed_config={path!r} cannot be used as it is:\n  - "
+            + "\n  - ".join(problems))
+
+
+def mapped_from_json(tr: Translation, explicit: dict[FieldPath, str]) -> dict[FieldPath, str]:
+    """ds3d field -> the JSON key its value came from (fields the user also wrote are theirs),
+    so that a value the schema refuses is named as the user wrote it."""
+    return {f: key for f, key in tr.origin.items() if f not in explicit}
 
 
 def check_translated(cfg: Any, tr: Translation) -> None:
@@ -648,8 +696,7 @@ def check_translated(cfg: Any, tr: Translation) -> None:
     precision)."""
     problems = [p for p in (check(cfg) for check in tr.checks) if p]
     if problems:
-        raise ConfigError(f"train.deepspeed_config={cfg.train.deepspeed_config!r} cannot be "
-                          "used as it is:\n  - " + "\n  - ".join(problems))
+        raise ConfigError(refusal(cfg.train.deepspeed_config, problems))
 
 
 def verify_job_matches(cfg: Any) -> None:

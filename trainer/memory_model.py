@@ -150,6 +150,7 @@ def estimate(cfg: JobConfig, layout: Layout | None = None) -> JobMemory:
     m, t = cfg.model, cfg.train
     tp, dp, zero = layout.tp, layout.dp, layout.zero_stage
     half = t.precision in ("bf16", "fp16")
+    h = t.precision  # the 16-bit type's name in the labels
     elem = 2 if half else 4
     mb, s, d = t.micro_batch_size, m.seq_len, m.d_model
     gas = max(1, t.global_batch_size // (mb * dp)) if t.global_batch_size else 1
@@ -163,16 +164,16 @@ def estimate(cfg: JobConfig, layout: Layout | None = None) -> JobMemory:
         shard = P / dp if zero >= 1 else P
         gpu: dict[str, float] = {}
         if half and zero <= 1:
-            gpu["weights (bf16)"] = 2 * P
+            gpu[f"weights ({h})"] = 2 * P
             gpu["gradient accumulator (fp32)"] = 4 * P
             gpu["master weights (fp32)"] = 4 * shard
             gpu["Adam moments (fp32)"] = 8 * shard
         elif half:
-            gpu["weights (bf16)"] = 2 * P / (dp if zero == 3 else 1)
+            gpu[f"weights ({h})"] = 2 * P / (dp if zero == 3 else 1)
             gpu["master weights (fp32)"] = 4 * P / dp
             gpu["Adam moments (fp32)"] = 8 * P / dp
             if zero == 3 and blocks:
-                gpu["gathered block weights (bf16)"] = 2 * 2 * params / max(blocks, 1) / tp
+                gpu[f"gathered block weights ({h})"] = 2 * 2 * params / max(blocks, 1) / tp
         else:
             gpu["weights (fp32)"] = 4 * P
             gpu["gradients (fp32)"] = 4 * P
@@ -202,7 +203,7 @@ def estimate(cfg: JobConfig, layout: Layout | None = None) -> JobMemory:
         if sum(acts.values()) >= transient:
             gpu.update(acts)
         else:
-            gpu["backward/optimizer transient (bf16 grads, step)"] = transient
+            gpu[f"backward/optimizer transient ({h} grads, step)"] = transient
         rank = RankMemory(stage, P, {k_: int(v) for k_, v in gpu.items()})
         rank.host_parts = {"worker process": HOST_PROCESS_BYTES.get(cfg.launch.device, 2 * GiB),
                            "snapshot buffers (pinned on GPU nodes)":

@@ -117,6 +117,9 @@ def _load_yaml(path: Path) -> dict[str, Any]:
     except yaml.YAMLError as e:
         raise ConfigError(f"{path} is not valid YAML ({str(e).splitlines()[0]}); a GPT-NeoX "
                           "config is a YAML mapping of NeoX arguments") from None
+    except RecursionError:
+        from .ds_config_import import too_deep
+        raise ConfigError(too_deep(str(path), "a GPT-NeoX config")) from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a GPT-NeoX config is a YAML mapping, not "
                           f"{type(data).__name__}")
