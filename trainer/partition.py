@@ -20,6 +20,7 @@ Pure Python (no torch, no deepspeed), so that ds3dd and ds3dctl use the same cod
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import statistics
@@ -59,39 +60,55 @@ def layer_param_counts(cfg: ModelConfig) -> list[int]:
 
 
 def deepspeed_balanced(weights: Sequence[float], num_parts: int) -> list[int]:
-    """DeepSpeed's `partition_balanced` (runtime/utils.py), ported line for line so that the
-    daemon shows the boundaries the trainer uses without importing deepspeed: the split whose
-    heaviest minus lightest part is smallest (ties: the last candidate). Checked equal to
-    DeepSpeed's in tests/unit/test_partition.py."""
+    """DeepSpeed's `partition_balanced` (runtime/utils.py), so that the daemon shows the
+    boundaries the trainer uses without importing deepspeed: the split whose heaviest minus
+    lightest part is smallest (ties: the last candidate). Checked equal to DeepSpeed's in
+    tests/unit/test_partition.py."""
     n, m = len(weights), num_parts
     if n <= m:
         return [min(i, n) for i in range(m + 1)]
-    inf = math.inf
-    dp_max = [[inf] * (m + 1) for _ in range(n + 1)]
-    dp_min = [[inf] * (m + 1) for _ in range(n + 1)]
-    dp_cost = [[inf] * (m + 1) for _ in range(n + 1)]
-    position = [[0] * (m + 1) for _ in range(n + 1)]
+    return list(_balanced(tuple(float(w) for w in weights), m))
+
+
+@functools.lru_cache(maxsize=32)
+def _balanced(weights: tuple[float, ...], m: int) -> tuple[int, ...]:
+    """DeepSpeed's O(n^2 m) dynamic program with its inner loop over the split point k in
+    numpy: in Python it took minutes for a 1024-layer model at PP 64, and the daemon's fit
+    check runs it for every PP it considers (cached: the layouts of one search share
+    weights). Same float operations in the same order, so the same answer: the cost of
+    stage j ending at layer i is max - min over the stages, minimised over k; of equal
+    costs, DeepSpeed's `>=` keeps the last k."""
+    import numpy as np
+
+    n = len(weights)
     prefix = [0.0] * (n + 1)
     for i, w in enumerate(weights):
-        prefix[i + 1] = prefix[i] + float(w)
-    dp_max[0][0] = 0
-    dp_cost[0][0] = 0
-    for i in range(1, n + 1):
-        for j in range(1, min(i, m) + 1):
-            for k in range(i):
-                max_sum = max(dp_max[k][j - 1], prefix[i] - prefix[k])
-                min_sum = min(dp_min[k][j - 1], prefix[i] - prefix[k])
-                cost = max_sum - min_sum
-                if dp_cost[i][j] >= cost:
-                    dp_cost[i][j] = cost
-                    dp_max[i][j] = max_sum
-                    dp_min[i][j] = min_sum
-                    position[i][j] = k
+        prefix[i + 1] = prefix[i] + w
+    total = np.array(prefix)
+    dp_max = np.full((n + 1, m + 1), math.inf)
+    dp_min = np.full((n + 1, m + 1), math.inf)
+    position = np.zeros((n + 1, m + 1), dtype=np.int64)
+    dp_max[0, 0] = 0.0
+    for j in range(1, m + 1):
+        # stage j ends at layer i >= j and starts after layer k, j-1 <= k < i (a smaller k
+        # leaves fewer layers than stages before it: infinite cost, never chosen)
+        i = np.arange(j, n + 1)[:, None]
+        k = np.arange(j - 1, n)[None, :]
+        part = total[i] - total[k]
+        hi = np.maximum(dp_max[j - 1:n, j - 1][None, :], part)
+        lo = np.minimum(dp_min[j - 1:n, j - 1][None, :], part)
+        cost = np.where(k < i, hi - lo, math.inf)
+        best = cost.min(axis=1, keepdims=True)
+        last = cost.shape[1] - 1 - np.argmax((cost == best)[:, ::-1], axis=1)
+        rows = np.arange(len(last))
+        dp_max[j:, j] = hi[rows, last]
+        dp_min[j:, j] = lo[rows, last]
+        position[j:, j] = last + (j - 1)
     parts = [n]
-    for i in reversed(range(1, m + 1)):
-        parts.append(position[parts[-1]][i])
+    for j in reversed(range(1, m + 1)):
+        parts.append(int(position[parts[-1], j]))
     parts.reverse()
-    return parts
+    return tuple(parts)
 
 
 def method_boundaries(cfg: JobConfig) -> list[int]:

@@ -146,6 +146,36 @@ def test_parameters_method_equals_deepspeed(seed):
         weights=weights, num_parts=parts)]
 
 
+@pytest.mark.parametrize("seed", range(60))
+def test_equal_costs_break_ties_as_deepspeed_does(seed):
+    """Uniform blocks between a heavy embedding and head (a GPT's layers) make many splits cost
+    the same: DeepSpeed keeps the last; the vectorised search must too, at sizes past the
+    random test's."""
+    from deepspeed.runtime import utils as ds_utils
+
+    rng = random.Random(seed)
+    n = rng.randint(3, 70)
+    weights = [rng.choice([50, 100])] + [rng.choice([7, 7, 7, 9])] * (n - 2) + [100] \
+        if seed % 2 else [rng.choice([5, 5, 6]) for _ in range(n)]
+    parts = rng.randint(1, 16)
+    assert deepspeed_balanced(weights, parts) == [int(x) for x in ds_utils.partition_balanced(
+        weights=weights, num_parts=parts)]
+
+
+def test_the_fit_search_over_a_1024_layer_model_answers():
+    """A hostile StartJob (1024 layers of d 65536, every value within the schema) kept ds3dd's
+    fit check busy for over 5 minutes: DeepSpeed's O(n^2 m) split in Python for each PP the
+    search considers. It answers now (seconds), refusing with the reason."""
+    from ds3d.daemon.fit_check import check_fit
+    from ds3d.trainer.errors import ConfigError
+    from ds3d.trainer.memory_model import NodeResources
+
+    cfg = build_job_config("tiny", ["model.d_model=65536", "model.n_layers=1024",
+                                    "model.vocab_size=4194304"])
+    with pytest.raises(ConfigError, match="will not fit this node"):
+        check_fit(cfg, NodeResources(gpus=8, gpu_bytes=80 << 30, host_bytes=1 << 40))
+
+
 def test_methods_and_partition_file(tmp_path):
     cfg = build_job_config("tiny", ["parallel.pp=2", 'parallel.partition_method="measured"'])
     counts = layer_param_counts(cfg.model)
