@@ -9,14 +9,15 @@ while the rendezvous survives; every agent connects to it as a client (`is_host=
 
 It runs in its own session like the agents, and is recorded by pid + start time, so it also
 outlives a restart of ds3dd. Run as `python -m ds3d.daemon.rendezvous --host H --port-file F`.
-The store has no authentication: bind it to loopback for single-node jobs and to the cluster's
-private network otherwise.
+The store has no authentication: it listens on `--host` only (`listening_socket`), which is
+loopback for single-node jobs and should be the cluster's private network otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -103,15 +104,25 @@ def start_store(run_dir: Path, host: str, timeout_s: float = 120.0) -> tuple[Pro
                           f"{run_dir}/logs/rendezvous.log")
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket listening on `host` only. TCPStore's server binds every interface whatever
+    host it is given (an unauthenticated store reachable from other machines although ds3dd
+    listens on loopback); handed this socket (`master_listen_fd`) it serves on it instead."""
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                  flags=socket.AI_PASSIVE)[0]
+    return socket.create_server(address[:2], family=family, backlog=1024)
+
+
 def serve(host: str, port: int, port_file: Path) -> None:
     """Holds the TCPStore server until SIGTERM/SIGINT."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
+    listener = listening_socket(host, port)
     tcp_store = dist.TCPStore  # type: ignore[attr-defined]  # public, not in torch's __all__
-    store = tcp_store(host, port, is_master=True, wait_for_workers=False,
-                      timeout=timedelta(seconds=300))
+    store = tcp_store(host, listener.getsockname()[1], is_master=True, wait_for_workers=False,
+                      timeout=timedelta(seconds=300), master_listen_fd=listener.detach())
     tmp = port_file.with_suffix(".tmp")
     tmp.write_text(str(store.port))
     os.replace(tmp, port_file)
