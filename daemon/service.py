@@ -8,11 +8,13 @@ that watches the workers.
 
 from __future__ import annotations
 
+import functools
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ds3d.checkpoints.identity import new_job_id, write_local_job_id
 from ds3d.trainer.config import JobConfig, validate_for_daemon, validate_job, validate_tokenizer
@@ -115,6 +117,22 @@ def stored_config_problem(config_json: str) -> str | None:
     return None
 
 
+T = TypeVar("T")
+
+
+def _one_command_at_a_time(method: Callable[..., T]) -> Callable[..., T]:
+    """A job's control requests are decided one at a time: each reads the job, checks that the
+    action is allowed, then records it, and two interleaved (a stop and a resume from two
+    clients) would each pass their check against the state before the other's."""
+    @functools.wraps(method)
+    def serialized(self: JobService, name: str, *args: Any, **kwargs: Any) -> T:
+        with self._guard:
+            lock = self._job_locks.setdefault(name, threading.Lock())
+        with lock:
+            return method(self, name, *args, **kwargs)
+    return serialized
+
+
 class JobService:
     def __init__(self, store: Store, supervisors: Supervisors, jobs_root: Path,
                  node: str, peers: PeerClient | None = None,
@@ -127,6 +145,8 @@ class JobService:
         self.peers = peers
         self.enable_fault_injection = enable_fault_injection
         self.resources = resources  # this node's GPUs and memory, for the fit check
+        self._guard = threading.Lock()
+        self._job_locks: dict[str, threading.Lock] = {}  # _one_command_at_a_time
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -149,6 +169,7 @@ class JobService:
         self.supervisors.poke(cfg.name)
         return job
 
+    @_one_command_at_a_time
     def pause(self, name: str, fast: bool = False) -> Job:
         job = self.store.get_job(name)
         check_action(name, "pause", job.state)
@@ -156,6 +177,7 @@ class JobService:
         return self._command(job, Command(Action.PAUSE, fast=fast), JobState.PAUSED,
                              "pause requested" + (" (fast)" if fast else ""))
 
+    @_one_command_at_a_time
     def resume(self, name: str) -> Job:
         job = self.store.get_job(name)
         if job.desired_state is JobState.PAUSED and job.state in LIVE - {JobState.PAUSED}:
@@ -163,12 +185,17 @@ class JobService:
             raise StateError(f"cannot resume job {name!r} yet: it is being paused (state "
                              f"{job.state.name}: the workers save a checkpoint, then exit); "
                              f"resume once `ds3dctl status {name}` shows PAUSED")
+        if job.desired_state is JobState.STOPPED and job.state in LIVE:
+            # a resume would cancel the stop a client asked for, and answer OK
+            raise StateError(f"cannot resume job {name!r}: it is being stopped (state "
+                             f"{job.state.name}); a stop is final")
         check_action(name, "resume", job.state)
         job = self.store.record(name, EventKind.REQUEST, "resume requested",
                                 desired_state=JobState.RUNNING)
         self.supervisors.poke(name)
         return job
 
+    @_one_command_at_a_time
     def stop(self, name: str, now: bool = False) -> Job:
         job = self.store.get_job(name)
         check_action(name, "stop", job.state)
@@ -179,6 +206,7 @@ class JobService:
                              JobState.STOPPED,
                              "stop requested" + (" (now, no checkpoint)" if now else ""))
 
+    @_one_command_at_a_time
     def save(self, name: str) -> int:
         job = self.store.get_job(name)
         check_action(name, "save", job.state)
@@ -186,6 +214,7 @@ class JobService:
         job = self._command(job, Command(Action.SAVE), JobState.RUNNING, "checkpoint requested")
         return job.command_id
 
+    @_one_command_at_a_time
     def rollback(self, name: str, step: int) -> Job:
         job = self.store.get_job(name)
         check_action(name, "rollback", job.state)

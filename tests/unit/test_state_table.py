@@ -13,6 +13,7 @@ from ds3d.daemon.states import (
     check_transition,
 )
 from ds3d.trainer.errors import StateError
+from ds3d.trainer.kinds import EventKind
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -106,3 +107,64 @@ def test_resume_while_a_pause_is_under_way_says_to_wait_for_paused(tmp_path, sta
     message = str(err.value)
     assert "being paused" in message and "already running" not in message, message
     assert "once `ds3dctl status j` shows PAUSED" in message, message
+
+
+def _paused_job(tmp_path):
+    from ds3d.daemon.store import Store
+    from ds3d.trainer.config import build_job_config
+
+    store = Store(tmp_path / "ds3d.db")
+    store.create_job("j", build_job_config("tiny", name="j").dump_json(), "n1", str(tmp_path))
+    for s in (JobState.STARTING, JobState.RUNNING, JobState.PAUSED):
+        store.transition("j", s, "test")
+    store.record("j", EventKind.REQUEST, "paused", desired_state=JobState.PAUSED)
+    return store
+
+
+def test_resume_after_a_stop_not_yet_applied_is_refused(tmp_path):
+    """A hostile-client probe (2026-12-06) saw ResumeJob answer OK after a StopJob of the same
+    PAUSED job had been recorded: the resume set the desired state back to RUNNING, so the stop
+    a client had asked for would have been undone had a third request not stopped it again."""
+    from ds3d.daemon.service import JobService
+
+    store = _paused_job(tmp_path)
+    service = JobService(store, _NoSupervisors(), tmp_path / "jobs", "n1")  # type: ignore[arg-type]
+    service.stop("j")
+    with pytest.raises(StateError, match="being stopped"):
+        service.resume("j")
+    assert store.get_job("j").desired_state is JobState.STOPPED
+
+
+def test_concurrent_stop_and_resume_leave_a_stopped_job_or_a_refused_stop(tmp_path):
+    """Each control request reads, checks and records under the job's lock: however a stop and
+    a resume interleave, the job never ends up wanting to run after a stop was answered OK."""
+    import threading
+
+    from ds3d.daemon.service import JobService
+
+    for attempt in range(20):
+        store = _paused_job(tmp_path / str(attempt))
+        service = JobService(store, _NoSupervisors(), tmp_path / "jobs", "n1")  # type: ignore[arg-type]
+        answers: dict[str, object] = {}
+        start = threading.Barrier(2)
+
+        def call(what: str, fn, answers=answers, start=start) -> None:
+            start.wait()
+            try:
+                answers[what] = fn("j")
+            except StateError as e:
+                answers[what] = e
+
+        threads = [threading.Thread(target=call, args=(w, f)) for w, f in
+                   (("stop", service.stop), ("resume", service.resume))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if not isinstance(answers["stop"], StateError):
+            assert store.get_job("j").desired_state is JobState.STOPPED, answers
+
+
+class _NoSupervisors:
+    def poke(self, name: str) -> None:
+        pass
