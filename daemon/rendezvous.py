@@ -81,11 +81,30 @@ def rendezvous_run_id(job: str, attempt: int, job_id: str, etcd: bool) -> str:
     return f"{job}-{job_id[:12]}-a{attempt}" if etcd and job_id else f"{job}-a{attempt}"
 
 
+def stray_stores(port_file: Path) -> list[ProcessRef]:
+    """Store processes serving `port_file`'s job, found by their command line. The daemon
+    records a store once it listens; one it started but did not record (the daemon was killed
+    in between) would otherwise run on, listening, beside the one its successor starts."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["cmdline", "create_time"]):
+        argv = p.info["cmdline"] or []
+        if "ds3d.daemon.rendezvous" in argv and str(port_file) in argv:
+            out.append(ProcessRef(p.pid, p.info["create_time"]))
+    return out
+
+
 def start_store(run_dir: Path, host: str, timeout_s: float = 120.0) -> tuple[ProcessRef, int]:
-    """Starts the store process for a job and waits until it listens; returns it and its port."""
+    """Starts the store process for a job and waits until it listens; returns it and its port.
+    Called when the job's recorded store is gone: any other store of the job is a stray
+    (`stray_stores`) and is ended first (no agent was given its address: agents start after
+    their store is recorded)."""
     control = run_dir / "control"
     control.mkdir(parents=True, exist_ok=True)
     port_file = control / "rdzv.port"
+    for stray in stray_stores(port_file):
+        stray.terminate(grace_s=2)
     port_file.unlink(missing_ok=True)
     argv = [sys.executable, "-m", "ds3d.daemon.rendezvous", "--host", host,
             "--port-file", str(port_file)]

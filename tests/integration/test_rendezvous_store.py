@@ -27,3 +27,20 @@ def test_the_store_listens_on_its_host_only_and_serves_there(tmp_path):
         assert client.get("key") == b"value"
     finally:
         ref.terminate(grace_s=5)
+
+
+def test_a_store_started_but_never_recorded_is_ended_by_the_next_start(tmp_path):
+    """A probe SIGKILLed ds3dd right after StartJob: the store it had spawned (not yet recorded)
+    ran on, listening, beside the one the restarted daemon started. The next start of the
+    job's store ends such strays first."""
+    first, _ = start_store(tmp_path, "127.0.0.1", timeout_s=60)
+    second = None
+    try:
+        second, port = start_store(tmp_path, "127.0.0.1", timeout_s=60)
+        assert not first.alive() and second.alive()
+        assert [c.laddr.port for c in psutil.Process(second.pid).net_connections(kind="inet")
+                if c.status == psutil.CONN_LISTEN] == [port]
+    finally:
+        for ref in (first, second):
+            if ref is not None:
+                ref.terminate(grace_s=5)
