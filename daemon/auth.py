@@ -219,7 +219,11 @@ class AuthInterceptor(grpc.ServerInterceptor):
         needs_token = peer_call and self._peer_token is not None or \
             not peer_call and self._client is not None
         err: PermissionError_ | None = None
-        if header and role is None and needs_token:
+        if header and scheme.lower() != "bearer" and needs_token:
+            err = UnauthenticatedError(
+                "the authorization header does not start with the Bearer scheme (not "
+                "echoed: it may hold the token): send `authorization: Bearer TOKEN`")
+        elif header and role is None and needs_token:
             err = UnauthenticatedError(
                 "the bearer token is wrong" + ("; node-to-node calls need the peer token of "
                                                "--peer-token-file" if peer_call else

@@ -69,6 +69,9 @@ RPC_CASES = [
     ("wrong token", "ListJobs", pb.ListJobsRequest(),
      [("authorization", "Bearer wrong-token-wrong-token")],
      grpc.StatusCode.UNAUTHENTICATED, "bearer token is wrong"),  # issue 17 item 10
+    ("a token without its scheme", "ListJobs", pb.ListJobsRequest(),
+     [("authorization", "x" * 32)],
+     grpc.StatusCode.UNAUTHENTICATED, "does not start with the Bearer scheme"),
     ("unknown config key", "StartJob",
      pb.StartJobRequest(config_json=tiny_job_json(train={"bogus": 1})), None,
      grpc.StatusCode.INVALID_ARGUMENT, "train.bogus: unknown setting"),
