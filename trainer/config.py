@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import reprlib
 import tomllib
@@ -941,6 +942,13 @@ def validate_for_daemon(cfg: JobConfig) -> None:
                                     ("checkpoint.local_dir", cfg.checkpoint.local_dir),
                                     ("train.deepspeed_config", cfg.train.deepspeed_config))
                 if path is not None and not Path(path).is_absolute()]
+    local, store = cfg.checkpoint.local_dir, cfg.checkpoint.store or ""
+    for where, value, path in (("checkpoint.local_dir", local, local),
+                               ("checkpoint.store", store, urlparse(store).path
+                                if store.startswith("file://") else None)):
+        if path is not None and (kernel := _kernel_filesystem(path)):
+            problems.append(f"{where}={value!r} is under {kernel}, a kernel filesystem that "
+                            "holds no files; use a folder on a disk (or /dev/shm for a RAM disk)")
     store = cfg.checkpoint.store
     if store is not None and (why := _store_url_problem(store)):
         problems.append(f"checkpoint.store={store!r}: {why}")
@@ -961,6 +969,16 @@ def validate_for_daemon(cfg: JobConfig) -> None:
             f"launch.nnodes={launch.nnodes} needs checkpoint.store: a durable tier every node "
             "writes to (s3://bucket/prefix, or file:///path on a shared filesystem); each rank "
             "saves its own shard there")
+
+
+def _kernel_filesystem(path: str) -> str | None:
+    """/proc, /sys or /dev (but /dev/shm, a tmpfs) when `path` lies under one: writes there
+    fail or mean something else entirely (a probe's local_dir = "/proc/self" was accepted and
+    every save then failed as "disk full")."""
+    parts = Path(os.path.normpath(path)).parts
+    if len(parts) > 1 and parts[1] in ("proc", "sys", "dev") and parts[1:3] != ("dev", "shm"):
+        return "/" + parts[1]
+    return None
 
 
 def _store_url_problem(url: str) -> str | None:

@@ -171,3 +171,21 @@ def test_memory_labels_name_the_jobs_16_bit_type():
     cfg = build_job_config("tiny", ['train.precision="fp16"'])
     parts = estimate(cfg).ranks[0].gpu_parts
     assert "weights (fp16)" in parts and not any("bf16" in k for k in parts)
+
+
+@pytest.mark.parametrize("setting, ok", [
+    ('checkpoint.local_dir="/proc/self"', False), ('checkpoint.local_dir="/sys/fs/x"', False),
+    ('checkpoint.store="file:///dev/ckpt"', False), ('checkpoint.local_dir="/dev/shm/ck"', True),
+    ('checkpoint.local_dir="/data/ck"', True), ('checkpoint.store="file:///procedures/x"', True),
+])
+def test_checkpoint_paths_on_kernel_filesystems_are_refused(setting, ok):
+    """A probe's local_dir = "/proc/self" was accepted, and every save then failed as "disk
+    full"; /dev/shm (a tmpfs) stays a legitimate RAM disk."""
+    from ds3d.trainer.config import validate_for_daemon
+
+    cfg = build_job_config("tiny", [setting])
+    if ok:
+        validate_for_daemon(cfg)
+    else:
+        with pytest.raises(ConfigError, match="a kernel filesystem that holds no files"):
+            validate_for_daemon(cfg)
