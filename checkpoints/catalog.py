@@ -17,6 +17,7 @@ import re
 import shutil
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -141,10 +142,17 @@ class Catalog:
                 raise NotFoundError(f"no committed checkpoint at step {step}") from None
             data = path.read_bytes()
         try:
-            return Manifest.from_json(data)
+            manifest = Manifest.from_json(data)
         except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
             raise CheckpointError(f"step {step}: MANIFEST is unreadable ({e.error_count()} "
-                                  "errors); the checkpoint is corrupt") from None
+                                  f"errors, first: {where}: {first['msg'][:200]}); the "
+                                  "checkpoint is corrupt") from None
+        if manifest.step != step:
+            raise CheckpointError(f"step {step}: its MANIFEST says step {manifest.step}; the "
+                                  "checkpoint is corrupt")
+        return manifest
 
     def _local_steps(self) -> dict[int, float]:
         """Steps with something in the local tier -> newest modification time."""
@@ -216,8 +224,9 @@ class Catalog:
         if self.storage is None:
             raise StateError("verify needs a store")
         manifest = self.load_manifest(step)
-        objects = {o.key: o.size for o in self.storage.list(layout.files_prefix(step))}
-        problems = _size_problems(step, manifest, objects)
+        objects = {o.key: o.size for o in self.storage.list(layout.step_prefix(step))}
+        problems = _size_problems(step, manifest, objects) + \
+            self._parts_problems(step, manifest, objects)
         if checksums and not problems:
             scratch = self._scratch(step, "verify")
             try:
@@ -229,6 +238,42 @@ class Catalog:
                     tmp.unlink()
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
+        return problems
+
+    def _parts_problems(self, step: int, manifest: Manifest,
+                        objects: dict[str, int]) -> builtins.list[str]:
+        """A MANIFEST is complete when it lists every file of every rank's part (the parts
+        it was merged from stay beside it): an entry missing from it would pass every size
+        and hash check and fail only inside DeepSpeed's load, on every restart. One read per
+        rank, in parallel; at restore and on `--verify`, not in listings."""
+        assert self.storage is not None
+        storage = self.storage
+        keys = {r: k for k in objects if (r := layout.rank_of_part_key(k)) is not None}
+        missing = sorted(set(range(manifest.layout.world_size)) - set(keys))
+        if missing:
+            return [f"no part of rank(s) {', '.join(map(str, missing[:8]))} beside the MANIFEST"]
+
+        def read(key: str) -> PartManifest | None:
+            try:
+                return PartManifest.model_validate_json(storage.get_bytes(key))
+            except (NotFoundError, ValidationError):
+                return None
+
+        listed = {f.path: f for f in manifest.files}
+        problems = []
+        ranks = sorted(r for r in keys if r < manifest.layout.world_size)
+        with ThreadPoolExecutor(max_workers=min(16, len(ranks)) or 1) as pool:
+            for rank, part in zip(ranks, pool.map(read, (keys[r] for r in ranks)), strict=True):
+                if part is None or part.step != step:
+                    problems.append(f"the part of rank {rank} is unreadable or of another step")
+                    continue
+                for entry in part.files:
+                    if entry.path not in listed:
+                        problems.append(f"{entry.path} (in rank {rank}'s part) is not in the "
+                                        "MANIFEST")
+                    elif not listed[entry.path].same_bytes(entry):
+                        problems.append(f"{entry.path}: the MANIFEST and rank {rank}'s part "
+                                        "disagree on its size or sha256")
         return problems
 
     def _scratch(self, step: int, what: str) -> Path:
@@ -274,7 +319,8 @@ class Catalog:
             if not self._mine(manifest):
                 self._skip(step, "foreign", self._whose(manifest))
                 continue
-            if step in store and (problems := _size_problems(step, manifest, store[step])):
+            if step in store and (problems := _size_problems(step, manifest, store[step]) or
+                                  self._parts_problems(step, manifest, store[step])):
                 self._skip(step, "incomplete", "; ".join(problems[:5]))
                 continue
             found = self._materialize(manifest, checksums, download and step in store, paths)

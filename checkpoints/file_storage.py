@@ -121,8 +121,20 @@ class FileStorage:
 
     # -- reads ------------------------------------------------------------------------------
 
+    def _inside(self, path: Path) -> bool:
+        """The file a key reaches resolves inside the store: a symbolic link that ds3d never
+        writes, pointing elsewhere, is not an object of this store."""
+        return path.resolve().is_relative_to(self.root.resolve())
+
+    def _readable(self, key: str) -> Path:
+        path = self._path(key)
+        if path.exists() and not self._inside(path):
+            raise NotFoundError(f"{self.url}/{key} is a link to a file outside the store; ds3d "
+                                "reads no object through it")
+        return path
+
     def get_file(self, key: str, local_path: str | Path) -> None:
-        src = self._path(key)
+        src = self._readable(key)
         dest = Path(local_path)
         with _os_errors(f"download {self.url}/{key}", key=key):
             dest.parent.mkdir(parents=True, exist_ok=True)
@@ -138,7 +150,7 @@ class FileStorage:
 
     def get_bytes(self, key: str) -> bytes:
         with _os_errors(f"read {self.url}/{key}", key=key):
-            return self._path(key).read_bytes()
+            return self._readable(key).read_bytes()
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
@@ -155,7 +167,7 @@ class FileStorage:
                         continue
                     full = Path(dirpath) / name
                     key = full.relative_to(self.root).as_posix()
-                    if key.startswith(prefix):
+                    if key.startswith(prefix) and (not full.is_symlink() or self._inside(full)):
                         try:
                             st = full.stat()
                             out.append(ObjectInfo(key, st.st_size, st.st_mtime))

@@ -18,7 +18,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .atomic_file import replace_file
 from .layout import check_rel_path, local_manifest_path
@@ -45,6 +45,15 @@ class FileEntry(_Model):
     chunk_bytes: int = Field(default=0, ge=0, description="size of the pieces `chunk_sha256` "
                              "hashes (the last may be shorter); 0 in entries of older versions")
     chunk_sha256: tuple[str, ...] = Field(default=(), description="sha256 of each piece, in order")
+
+    @field_validator("path")
+    @classmethod
+    def _stays_in_the_checkpoint(cls, v: str) -> str:
+        """A manifest or part read from the store names files inside its checkpoint only: a
+        `..` or absolute path would read (or, restored, write) outside it."""
+        if check_rel_path(v) != v:
+            raise ValueError(f"checkpoint file path {v!r} is not in its plain form")
+        return v
 
     @model_validator(mode="after")
     def _chunks_cover_the_file(self) -> FileEntry:
@@ -108,6 +117,14 @@ class Manifest(_Model):
     ds3d_version: str
     deepspeed_version: str
     files: list[FileEntry]
+
+    @model_validator(mode="after")
+    def _each_file_once(self) -> Manifest:
+        paths = [f.path for f in self.files]
+        if len(set(paths)) != len(paths):
+            twice = next(p for i, p in enumerate(paths) if p in paths[:i])
+            raise ValueError(f"{twice} is listed twice")
+        return self
 
     @property
     def total_size(self) -> int:

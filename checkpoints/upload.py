@@ -136,13 +136,7 @@ def upload_rank_files(storage: Storage, step: int, rank: int, local_ckpt_dir: st
     """
     if entries is None:
         entries = file_entries(local_ckpt_dir, files)
-    try:
-        existing = Manifest.from_json(storage.get_bytes(layout.manifest_key(step)))
-    except NotFoundError:
-        existing = None
-    except ValidationError:
-        raise CheckpointError(f"step {step} has an unreadable MANIFEST in {storage.url}; delete "
-                              "that checkpoint before saving the step again") from None
+    existing = live_manifest(storage, step, job_id)
     part = PartManifest(step=step, rank=rank, job_id=job_id, created=time.time(), files=entries)
     if existing is not None and not manifest_is_mine(existing.job_id, job_id):
         raise ForeignPrefixError(f"step {step} in {storage.url} was committed by job "
@@ -221,6 +215,7 @@ def commit_checkpoint(storage: Storage, step: int, world_size: int, meta: Checkp
     data = manifest.to_json()
     # Check first, then put-if-absent: on a store that ignores the condition, the check still
     # keeps a committed manifest from being replaced (one committer per job makes a race rare).
+    live_manifest(storage, step, meta.job_id)  # a dead one goes (a save made before the check)
     written = not storage.exists(key) and storage.put_bytes(key, data, if_absent=True)
     # Read back whatever the store now holds: a server may ignore the condition, or another
     # committer may have won; either way the stored manifest must list exactly these files.
@@ -240,6 +235,37 @@ def commit_checkpoint(storage: Storage, step: int, world_size: int, meta: Checkp
     log.info("checkpoint_committed", step=step, files=len(final.files), bytes=final.total_size,
              written=written)
     return final
+
+
+def live_manifest(storage: Storage, step: int, job_id: str | None) -> Manifest | None:
+    """The MANIFEST committed at `step`, or None when there is none or it is dead: unreadable,
+    of another step, or (this job's) listing files the store no longer holds at their size.
+    A restore skips such a checkpoint, and the step is trained and saved again: refusing that
+    save ("already committed") on every retry wedged the job, so a dead MANIFEST is deleted
+    (the step becomes uncommitted) and the new save commits in its place. Another job's is
+    returned as it is (callers refuse it)."""
+    key = layout.manifest_key(step)
+    try:
+        old = Manifest.from_json(storage.get_bytes(key))
+    except NotFoundError:
+        return None
+    except ValidationError:
+        why = "it is unreadable"
+    else:
+        why = f"it says step {old.step}" if old.step != step else ""
+        if not why and manifest_is_mine(old.job_id, job_id):
+            stored = {o.key: o.size for o in storage.list(layout.files_prefix(step))}
+            gone = [f.path for f in old.files if stored.get(layout.file_key(step, f.path))
+                    != f.size]
+            why = f"{gone[0]} is gone or another size" if gone else ""
+        if not why:
+            return old
+    # uncommitted from here: a rank's upload of the new save would otherwise restore the sizes
+    # that made it dead, and the next rank would find it live and refuse its own files
+    storage.delete([key])
+    log.warning("checkpoint_manifest_dead", step=step, reason=why,
+                detail="its MANIFEST is deleted; a new save of the step commits in its place")
+    return None
 
 
 def update_latest(storage: Storage, step: int) -> None:
