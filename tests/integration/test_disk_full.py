@@ -116,9 +116,12 @@ def _run_through_a_full_disk(daemon: DaemonProc, disk: Path, fill_disk, name: st
         # workers' report lines share the disk: a save that missed by little can then find up
         # to its partial file's size free again; never a disk with room to spare. But for a
         # save that failed while the test was still filling: tmpfs gives back all of a
-        # fallocate that a concurrent save made fail, before `fill` writes the rest
-        assert rec["time"] < filled_at or \
-            rec["bytes_free"] < rec["bytes_needed"] + (1 << 20), (rec, filled_at)
+        # fallocate that a concurrent save made fail, before `fill` writes the rest. And for a
+        # save that ran out of space just before the filler was removed and measured the free
+        # bytes just after (CI 2026-12-06: 87 MB free, recorded 0.03 s after the unlink)
+        around_the_unlink = freed_at <= rec["time"] < freed_at + 10.0
+        assert rec["time"] < filled_at or around_the_unlink or \
+            rec["bytes_free"] < rec["bytes_needed"] + (1 << 20), (rec, filled_at, freed_at)
         assert not (run_dir / "ckpt" / f"global_step{rec['step']}").exists()
     events = [e for e in daemon.event_details(name) if e["kind"] == "checkpoint"
               and e["cause"] == "disk_full"]
