@@ -36,7 +36,14 @@ from .errors import (
     TransientStorageError,
 )
 from .identity import ForeignPrefixError, manifest_is_mine
-from .manifest import FileEntry, Manifest, PartManifest, hash_file, save_local_manifest
+from .manifest import (
+    FileEntry,
+    Manifest,
+    PartManifest,
+    hash_file,
+    save_local_manifest,
+    size_problems,
+)
 from .retention import plan_retention
 from .storage import Storage
 from .upload import read_marker
@@ -205,7 +212,7 @@ class Catalog:
                         info.size, info.time = info.manifest.total_size, info.manifest.created
                         out.append(info)
                         continue
-                    info.problems = _size_problems(step, info.manifest, objects)
+                    info.problems = size_problems(step, info.manifest, objects)
                     info.state = CkptState.CORRUPT if info.problems else CkptState.COMMITTED
                     info.size, info.time = info.manifest.total_size, info.manifest.created
             elif objects:
@@ -225,7 +232,7 @@ class Catalog:
             raise StateError("verify needs a store")
         manifest = self.load_manifest(step)
         objects = {o.key: o.size for o in self.storage.list(layout.step_prefix(step))}
-        problems = _size_problems(step, manifest, objects) + \
+        problems = size_problems(step, manifest, objects) + \
             self._parts_problems(step, manifest, objects)
         if checksums and not problems:
             scratch = self._scratch(step, "verify")
@@ -319,7 +326,7 @@ class Catalog:
             if not self._mine(manifest):
                 self._skip(step, "foreign", self._whose(manifest))
                 continue
-            if step in store and (problems := _size_problems(step, manifest, store[step]) or
+            if step in store and (problems := size_problems(step, manifest, store[step]) or
                                   self._parts_problems(step, manifest, store[step])):
                 self._skip(step, "incomplete", "; ".join(problems[:5]))
                 continue
@@ -505,17 +512,6 @@ class Catalog:
         log.warning("checkpoint_skipped", step=step, cause=cause, detail=detail)
         if self.on_skip is not None:
             self.on_skip(step, cause, detail)
-
-
-def _size_problems(step: int, manifest: Manifest, objects: dict[str, int]) -> list[str]:
-    problems = []
-    for entry in manifest.files:
-        size = objects.get(layout.file_key(step, entry.path))
-        if size is None:
-            problems.append(f"{entry.path}: missing in the store")
-        elif size != entry.size:
-            problems.append(f"{entry.path}: {size} bytes in the store, manifest says {entry.size}")
-    return problems
 
 
 def _local_matches(path: Path, entry: FileEntry, checksums: bool) -> bool:

@@ -12,10 +12,10 @@ where a tool would look, and only for committed checkpoints:
     before the MANIFEST and is not part of it: it holds nothing a restore needs.
 
 Both are written atomically (a temporary name, then a rename: atomic_file.py; one small PUT in
-a store). The
-local one is refreshed under an exclusive lock on `L/.latest.lock`: a committing upload thread and
-a rollback's delete (in one process or in several ranks of a node) each decide and write as one
-step, so the last refresh always sees every delete before it and `latest` never names a removed tag.
+a store). The local one is refreshed under an exclusive lock on `L/.latest.lock`: a committing
+upload thread and a rollback's delete (in one process or in several ranks of a node) each decide
+and write as one step, so the last refresh always sees every delete before it and `latest` never
+names a removed tag.
 """
 
 from __future__ import annotations

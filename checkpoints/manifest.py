@@ -21,7 +21,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .atomic_file import replace_file
-from .layout import check_rel_path, local_manifest_path
+from .layout import check_rel_path, file_key, local_manifest_path
 
 FORMAT_VERSION = 1
 HASH_CHUNK = 8 << 20
@@ -259,6 +259,19 @@ def merge_parts(step: int, meta: CheckpointMeta, parts: list[PartManifest]) -> M
                 raise ValueError(f"{entry.path} differs between ranks' parts "
                                  f"({seen.sha256[:12]} vs {entry.sha256[:12]})")
     return manifest_from_entries(step, meta, list(by_path.values()))
+
+
+def size_problems(step: int, manifest: Manifest, objects: dict[str, int]) -> list[str]:
+    """The manifest's files that the store's listing (key -> size) lacks or holds at another
+    size (empty: every file is there at its size)."""
+    problems = []
+    for entry in manifest.files:
+        size = objects.get(file_key(step, entry.path))
+        if size is None:
+            problems.append(f"{entry.path}: missing in the store")
+        elif size != entry.size:
+            problems.append(f"{entry.path}: {size} bytes in the store, manifest says {entry.size}")
+    return problems
 
 
 def verify_local(local_dir: str | Path, manifest: Manifest, checksums: bool = True,

@@ -65,6 +65,7 @@ from .manifest import (
     list_checkpoint_files,
     merge_parts,
     save_local_manifest,
+    size_problems,
 )
 from .storage import Storage, open_storage
 
@@ -215,8 +216,8 @@ def commit_checkpoint(storage: Storage, step: int, world_size: int, meta: Checkp
     data = manifest.to_json()
     # Check first, then put-if-absent: on a store that ignores the condition, the check still
     # keeps a committed manifest from being replaced (one committer per job makes a race rare).
-    live_manifest(storage, step, meta.job_id)  # a dead one goes (a save made before the check)
-    written = not storage.exists(key) and storage.put_bytes(key, data, if_absent=True)
+    written = live_manifest(storage, step, meta.job_id) is None and \
+        storage.put_bytes(key, data, if_absent=True)  # (a dead one is deleted by the check)
     # Read back whatever the store now holds: a server may ignore the condition, or another
     # committer may have won; either way the stored manifest must list exactly these files.
     try:
@@ -255,9 +256,7 @@ def live_manifest(storage: Storage, step: int, job_id: str | None) -> Manifest |
         why = f"it says step {old.step}" if old.step != step else ""
         if not why and manifest_is_mine(old.job_id, job_id):
             stored = {o.key: o.size for o in storage.list(layout.files_prefix(step))}
-            gone = [f.path for f in old.files if stored.get(layout.file_key(step, f.path))
-                    != f.size]
-            why = f"{gone[0]} is gone or another size" if gone else ""
+            why = next(iter(size_problems(step, old, stored)), "")
         if not why:
             return old
     # uncommitted from here: a rank's upload of the new save would otherwise restore the sizes

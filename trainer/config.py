@@ -942,10 +942,10 @@ def validate_for_daemon(cfg: JobConfig) -> None:
                                     ("checkpoint.local_dir", cfg.checkpoint.local_dir),
                                     ("train.deepspeed_config", cfg.train.deepspeed_config))
                 if path is not None and not Path(path).is_absolute()]
-    local, store = cfg.checkpoint.local_dir, cfg.checkpoint.store or ""
+    local, url = cfg.checkpoint.local_dir, cfg.checkpoint.store or ""
     for where, value, path in (("checkpoint.local_dir", local, local),
-                               ("checkpoint.store", store, urlparse(store).path
-                                if store.startswith("file://") else None)):
+                               ("checkpoint.store", url, urlparse(url).path
+                                if url.startswith("file://") else None)):
         if path is not None and (kernel := _kernel_filesystem(path)):
             problems.append(f"{where}={value!r} is under {kernel}, a kernel filesystem that "
                             "holds no files; use a folder on a disk (or /dev/shm for a RAM disk)")
