@@ -430,8 +430,12 @@ class Store:
     def transition(self, name: str, dst: JobState, message: str, *, cause: str = "",
                    kind: EventKind = EventKind.STATE, **fields: Any) -> Job:
         """Moves a job to `dst` (checked against the table) with its transition row, its event and
-        any column updates, all in one transaction. Raises StateError if not allowed."""
+        any column updates, all in one transaction. Raises StateError if not allowed. A job
+        that ends has nothing left to drive towards: its desired state becomes the end state
+        (a COMPLETED job no longer reads "desired RUNNING")."""
         now = time.time()
+        if dst in TERMINAL:
+            fields.setdefault("desired_state", dst)
         with self._tx() as db:
             job = self._job_locked(db, name)
             check_transition(name, job.state, dst)

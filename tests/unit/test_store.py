@@ -46,6 +46,19 @@ def test_transition_writes_transition_and_event_together(store):
     assert (ev.from_state, ev.to_state) == (JobState.STARTING.value, JobState.RUNNING.value)
 
 
+def test_an_ended_job_wants_nothing_more(store):
+    """A job that ended (COMPLETED, FAILED, STOPPED) shows its end as its desired state too:
+    GetJob's "desired RUNNING" for a COMPLETED job read as if the daemon still drove it."""
+    for name, end in (("c", JobState.COMPLETED), ("f", JobState.FAILED),
+                      ("s", JobState.STOPPED)):
+        store.create_job(name, "{}", "n1", f"/x/{name}")
+        store.transition(name, JobState.STARTING, "go")
+        store.transition(name, JobState.RUNNING, "training")
+        assert store.get_job(name).desired_state is JobState.RUNNING
+        job = store.transition(name, end, "ended")
+        assert (job.state, job.desired_state) == (end, end)
+
+
 def test_record_sets_the_status_line_with_its_event_or_neither(store):
     """DiskWatch stores a diagnosis and the status line that repeats it in one call: both land
     together, and a record that fails stores neither (no status without its event, no event
