@@ -728,6 +728,17 @@ def _export(client: Any, args: argparse.Namespace, out: Any) -> None:
           f"{how}{note}", file=out)
 
 
+def _size_hint(details: str) -> str:
+    """What to do about gRPC's own size refusals, which name no setting: a request over
+    ds3dd's --max-request-bytes ("SERVER: ..."), an answer over what ds3dctl receives."""
+    if "SERVER: Received message larger than max" in details:
+        return ("; the request is larger than ds3dd accepts: make it smaller (e.g. the job file "
+                "and the files it names), or start ds3dd with a larger --max-request-bytes")
+    if "CLIENT: Received message larger than max" in details:
+        return "; the answer is larger than ds3dctl receives: ask for less (e.g. --limit, --lines)"
+    return ""
+
+
 def main(argv: list[str] | None = None) -> None:
     args: argparse.Namespace | None = None
     try:
@@ -748,7 +759,8 @@ def main(argv: list[str] | None = None) -> None:
                   "(--addr or DS3D_ADDR)", file=sys.stderr)
             code = EXIT_UNREACHABLE
         else:
-            print(f"ds3dctl: {status.name}: {e.details()}", file=sys.stderr)
+            print(f"ds3dctl: {status.name}: {e.details()}{_size_hint(e.details() or '')}",
+                  file=sys.stderr)
             code = EXIT_BAD_INPUT if status in _USER_CODES or answered else 1
     except KeyboardInterrupt:
         code = 130

@@ -43,6 +43,17 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _seconds_or_zero(text: str) -> float:
+    """A duration flag where 0 has a meaning of its own (--drain-timeout 0: do not wait)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not 0 or a number of seconds above 0")
+    return value
+
+
 def _seconds_from(low: float) -> Callable[[str], float]:
     """A duration flag of at least `low` seconds (finite; argparse then exits 2 with it)."""
     def parse(text: str) -> float:
@@ -51,6 +62,13 @@ def _seconds_from(low: float) -> Callable[[str], float]:
             raise argparse.ArgumentTypeError(f"{text!r} is below {low:g} s")
         return value
     return parse
+
+
+def _port(text: str) -> int:
+    """A TCP port to listen on (argparse then exits 2 with it)."""
+    if not text.strip().isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port from 1 to 65535")
+    return int(text)
 
 
 def _bounded_int(low: int, high: int, unit: str) -> Callable[[str], int]:
@@ -85,19 +103,20 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tls-cert", help="PEM certificate of this daemon")
     ap.add_argument("--tls-key", help="PEM private key of this daemon")
     ap.add_argument("--tls-ca", help="PEM CA that signs client and peer certificates")
-    ap.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    ap.add_argument("--metrics-port", type=_port,
+                    help="serve Prometheus metrics on this port")
     ap.add_argument("--rdzv-host", default="127.0.0.1",
                     help="address the jobs' rendezvous stores bind to (the cluster network for "
                     "multi-node jobs)")
     ap.add_argument("--node-addr", default=None,
                     help="address other nodes reach this node's workers at (MASTER_ADDR when "
                     "rank 0 runs here); default: the host's FQDN")
-    ap.add_argument("--max-request-bytes", type=int, default=1 << 20,
-                    help="largest request accepted (bytes)")
-    ap.add_argument("--drain-timeout", type=float, default=300.0,
+    ap.add_argument("--max-request-bytes", type=_bounded_int(1024, (1 << 31) - 1, "bytes"),
+                    default=1 << 20, help="largest request accepted (bytes); default 1 MiB")
+    ap.add_argument("--drain-timeout", type=_seconds_or_zero, default=300.0,
                     help="on SIGTERM, seconds to wait for running jobs to checkpoint and pause "
                     "(0: leave their workers running, to be reattached by the next ds3dd)")
-    ap.add_argument("--hang-timeout", type=float, default=120.0,
+    ap.add_argument("--hang-timeout", type=_seconds, default=120.0,
                     help="fewest seconds without a worker report before a hang is declared")
     ap.add_argument("--start-timeout", type=_seconds, default=600.0,
                     help="seconds a worker group may take from its launch to its first `start` "

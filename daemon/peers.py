@@ -83,7 +83,10 @@ INJECT_FILE = "inject.json"  # jobdir.py: a drill's fault injection for the work
 # its agent back nor resumes its backlog; a StartShare removes it (not a ShareControl file)
 STOPPED_FILE = "share-stopped.json"
 REPORT_FILE_RE = re.compile(r"^rank-\d{5,}(\.\d{6,})?\.jsonl$")  # trainer/report.py segments
-PULL_MAX_BYTES = 4 << 20
+# report bytes in one PullReports answer: with each chunk's framing it stays under the 4 MiB that
+# a gRPC client receives by default (a 4 MiB budget made an answer of 4 MiB + 63 bytes that the
+# head refused on every pull: the node's reports never arrived again)
+PULL_MAX_BYTES = 3 << 20
 
 
 def check_peer_address(address: str, tls: TlsFiles | None) -> None:
@@ -463,7 +466,7 @@ class Shares:
         jobdir = self._jobdir(name)
         if jobdir is None:
             return None
-        budget = max_bytes if max_bytes > 0 else PULL_MAX_BYTES
+        budget = min(max_bytes, PULL_MAX_BYTES) if max_bytes > 0 else PULL_MAX_BYTES
         head_newest: dict[int, int] = {}  # rank -> the newest segment the head has a copy of
         for file in offsets:
             parsed = parse_segment_name(file)

@@ -283,6 +283,21 @@ def test_ds3dd_refuses_to_listen_beyond_loopback_without_tls(tmp_path):
     assert "refusing to listen on '0.0.0.0:0'" in r.stderr and "--token-file" in r.stderr
 
 
+def test_a_request_over_the_size_limit_names_the_flag(tmp_path):
+    """gRPC's own refusal of a request over --max-request-bytes names no setting; ds3dctl
+    says what to change. Nothing is created."""
+    d = DaemonProc(tmp_path / "state", token=new_token(), args=["--max-request-bytes", "2000"])
+    d.start()
+    try:
+        r = d.ctl("start", "tiny")
+        assert r.returncode == 2, (r.stdout, r.stderr)
+        assert "RESOURCE_EXHAUSTED" in r.stderr and "--max-request-bytes" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
+        assert d.ctl("list", "--all").stdout.count("tiny") == 0
+    finally:
+        d.stop()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_refusals_about_an_existing_job(daemon):

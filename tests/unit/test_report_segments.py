@@ -25,6 +25,7 @@ from ds3d.trainer.report import (
     Reporter,
     parse_segment_name,
     read_rank_records,
+    read_records,
     report_segments,
 )
 from ds3d.v1 import control_pb2_grpc as pb_grpc
@@ -242,6 +243,45 @@ def test_a_heads_copies_of_another_nodes_segments_stay_bounded(tmp_path):
         assert _stored_steps(store, "mn") == list(range(1, 301))
         assert _segments(share_dir.reports, 1) == _segments(mirror, 1)
         rep.close()
+        store.close()
+    finally:
+        server.stop(0)
+
+
+def test_a_backlog_of_reports_over_four_mib_reaches_the_head(tmp_path):
+    """Seven ranks' ~5.7 MB of reports waiting on a share node (the head was away): each pull's
+    answer stays under the 4 MiB a gRPC client receives by default, so every record arrives.
+    A 4 MiB budget of report bytes made an answer of 4 MiB plus the chunks' framing, refused
+    by the head on every pull: that node's reports never arrived again."""
+    share_root = tmp_path / "shares"
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    shares = Shares(share_root, Launcher())
+    pb_grpc.add_ControlServicer_to_server(ControlServicer(None, shares, "b"), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        address = f"127.0.0.1:{port}"
+        cfg = build_job_config("tiny", [f'launch.hosts=["127.0.0.1:7000", "{address}"]',
+                                        "launch.nnodes=2", "parallel.dp=2",
+                                        'checkpoint.store="file:///tmp/x"'], name="mn")
+        share_dir = JobDir(share_root, "mn")
+        share_dir.create(cfg.dump_json())
+        store, head_dir = _job(tmp_path / "head", "mn")
+        nodes = JobNodes("mn", head_dir, store, Metrics(), PeerClient(None, None),
+                         "127.0.0.1:7000", 60.0, lambda job: cfg)
+        for rank in range(1, 8):
+            rep = Reporter(share_dir.path, rank, 0)
+            _steps(rep, 1, 5000)
+            rep.close()
+        backlog = sum(p.stat().st_size for p in report_segments(share_dir.reports))
+        assert backlog > 5 << 20
+        mirror = head_dir.reports / "nodes" / address.replace(":", "_")
+        for _ in range(3):
+            nodes.pull_reports(store.get_job("mn"))
+        assert sum(p.stat().st_size for p in report_segments(mirror)) == backlog
+        for rank in range(1, 8):
+            steps = [r["step"] for p in report_segments(mirror, rank) for r in read_records(p)[0]]
+            assert steps == list(range(1, 5001))
         store.close()
     finally:
         server.stop(0)
