@@ -295,7 +295,8 @@ class Catalog:
     def newest_restorable(self, *, checksums: bool = True, download: bool = True,
                           paths: set[str] | None = None,
                           only_step: int | None = None,
-                          newer_than: int = -1) -> Restorable | None:
+                          newer_than: int = -1,
+                          uncommit_corrupt: bool = False) -> Restorable | None:
         """The newest committed checkpoint whose files verify, made available locally.
 
         A local copy that matches the manifest (sha256 when `checksums`) is used as is;
@@ -304,7 +305,10 @@ class Catalog:
         node needs (its own ranks' shards). Corrupt or partial checkpoints are skipped with a
         logged event. When the store is unreachable, the local copies of committed manifests
         are used instead. `only_step` restricts the choice to that step (a rollback);
-        `newer_than` to later steps (one already at hand locally: engine_io.plan_restore)."""
+        `newer_than` to later steps (one already at hand locally: engine_io.plan_restore).
+        `uncommit_corrupt` (the training restore only, never a read-only caller): a step whose
+        stored object fails the sha256 its MANIFEST recorded loses its MANIFEST (see
+        `_uncommit`)."""
         try:
             store = self._store_objects()
             candidates = sorted((s for s, objs in store.items()
@@ -330,7 +334,8 @@ class Catalog:
                                   self._parts_problems(step, manifest, store[step])):
                 self._skip(step, "incomplete", "; ".join(problems[:5]))
                 continue
-            found = self._materialize(manifest, checksums, download and step in store, paths)
+            found = self._materialize(manifest, checksums, download and step in store, paths,
+                                      uncommit_corrupt)
             if found is not None:
                 return found
         return None
@@ -344,7 +349,8 @@ class Catalog:
         return sorted(steps, reverse=True)
 
     def _materialize(self, manifest: Manifest, checksums: bool, download: bool,
-                     paths: set[str] | None) -> Restorable | None:
+                     paths: set[str] | None, uncommit_corrupt: bool = False
+                     ) -> Restorable | None:
         step = manifest.step
         if self.local_dir is None:
             raise StateError("restoring needs a local folder to restore into")
@@ -367,8 +373,11 @@ class Catalog:
                     self._skip(step, "incomplete", f"{entry.path}: missing in the store")
                     return None
                 if not _local_matches(tmp, entry, checksums=True):
-                    self._skip(step, "corrupt", f"{entry.path}: size or sha256 of the stored "
-                               "object differs from the manifest")
+                    why = f"{entry.path}: size or sha256 of the stored object differs from " \
+                          "the manifest"
+                    if uncommit_corrupt:
+                        why += self._uncommit(manifest)
+                    self._skip(step, "corrupt", why)
                     return None
             for i, entry in enumerate(stale):
                 dest = self.local_dir / entry.path
@@ -380,6 +389,24 @@ class Catalog:
         log.info("checkpoint_downloaded", step=step, files=len(stale),
                  bytes=sum(e.size for e in stale))
         return Restorable(step, manifest, self.local_dir, "downloaded")
+
+    def _uncommit(self, manifest: Manifest) -> str:
+        """A committed checkpoint whose stored bytes rotted (the store's copy fails its
+        recorded sha256) can never be restored. Its MANIFEST is deleted, as the uploader deletes
+        a dead one (upload.live_manifest): every later restore would download it again to find
+        the same, and the step trained again could never commit ("already committed with other
+        files", retried for ever, a pause or stop waiting on the store). Its files stay until
+        retention's sweep. Returns what to add to the skip's detail."""
+        assert self.storage is not None
+        key = layout.manifest_key(manifest.step)
+        try:
+            current = Manifest.from_json(self.storage.get_bytes(key))
+            if current != manifest:
+                return ""  # committed again meanwhile (by a newer save): not ours to delete
+            self.storage.delete([key])
+        except (Ds3dError, ValidationError) as e:
+            return f" (its MANIFEST could not be deleted: {e})"
+        return "; its MANIFEST is deleted (uncommitted), so the step can be saved again"
 
     # -- deletion ---------------------------------------------------------------------------
 

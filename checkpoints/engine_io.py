@@ -257,7 +257,8 @@ class CheckpointManager:
         if self.me.rank == 0:
             found = self.catalog.newest_restorable(checksums=True, download=True,
                                                    only_step=rollback_to,
-                                                   newer_than=max(local_step, held))
+                                                   newer_than=max(local_step, held),
+                                                   uncommit_corrupt=True)
         step = self._broadcast(found.step if found else local_step)
         if held >= 0 and held >= step:
             return self._node_memory_plan(held)
@@ -281,7 +282,8 @@ class CheckpointManager:
         if step == local_step:
             pass  # every node holds it whole and verified (agree_local_step)
         elif self.me.local_rank == 0 and self.me.rank != 0:
-            found = self.catalog.newest_restorable(checksums=True, download=True, only_step=step)
+            found = self.catalog.newest_restorable(checksums=True, download=True, only_step=step,
+                                                   uncommit_corrupt=True)
             if found is None or found.step != step:
                 raise CheckpointError(f"rank {self.me.rank}'s node cannot get checkpoint step "
                                       f"{step} that rank 0 chose (it found "

@@ -117,6 +117,29 @@ def test_a_save_replaces_a_checkpoint_whose_file_is_gone_but_never_a_live_one(tm
         save(store, tmp_path / "elsewhere", 20, size=128)  # (not the files the store links)
 
 
+def test_a_restore_uncommits_a_checkpoint_whose_stored_bytes_rotted(tmp_path):
+    """A stored file of step 20 rots at the same size: every cheap check passes, only its
+    sha256 fails. The training restore skips it and deletes its MANIFEST, so the step trained
+    again (other bytes: GPU nondeterminism) commits instead of being refused on every retry
+    ("already committed with other files"), and no later restore downloads it again. A
+    read-only caller (verify, export) leaves the MANIFEST alone."""
+    store, local, catalog, skipped = setup(tmp_path)
+    manifest = catalog.load_manifest(20)
+    rotten = tmp_path / "store" / layout.file_key(20, manifest.files[0].path)
+    data = bytearray(rotten.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    rotten.write_bytes(bytes(data))
+    assert catalog.newest_restorable(checksums=True, download=True).step == 10  # read-only
+    assert state_of(catalog, 20)[0] is CkptState.COMMITTED
+    found = catalog.newest_restorable(checksums=True, download=True, uncommit_corrupt=True)
+    assert found is not None and found.step == 10
+    assert skipped[-1][:2] == (20, "corrupt") and "MANIFEST is deleted" in skipped[-1][2]
+    assert not store.exists(layout.manifest_key(20))
+    save(store, tmp_path / "retrained", 20)  # new bytes, the same sizes
+    assert state_of(catalog, 20)[0] is CkptState.COMMITTED
+    assert catalog.verify(20, checksums=True) == []
+
+
 def test_a_symbolic_link_out_of_a_file_store_is_not_read(tmp_path):
     store, _local, catalog, _ = setup(tmp_path)
     manifest = catalog.load_manifest(20)
