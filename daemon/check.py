@@ -106,7 +106,7 @@ def _table(data: dict[str, Any], path: tuple[str, ...], lines: list[str]) -> Non
     if path and scalars:
         lines.append(f"\n[{'.'.join(path)}]")
     for k, v in scalars.items():
-        lines.append(f"{k} = {_value(v)}")
+        lines.append(f"{_key(k)} = {_value(v)}")
     for k, v in tables.items():
         _table(v, path + (k,), lines)
 
@@ -121,7 +121,15 @@ def _value(v: Any) -> str:
                                                  ("inf" if v > 0 else "-inf"))
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_value(x) for x in v) + "]"
+    if isinstance(v, dict):  # in a list (data.blend's entries): an inline table
+        return "{" + ", ".join(f"{_key(k)} = {_value(x)}" for k, x in v.items()) + "}"
     raise TypeError(f"cannot write {type(v).__name__} as TOML")
+
+
+def _key(k: str) -> str:
+    """A bare key when TOML allows one, else a quoted key."""
+    return k if k and all(c.isascii() and (c.isalnum() or c in "-_") for c in k) \
+        else json.dumps(k)
 
 
 def source_with_files(source: str | None, deepspeed: str | None, neox: str | None,

@@ -919,10 +919,13 @@ def validate_tokenizer(cfg: JobConfig) -> None:
     """data.tokenizer, loaded to check that its vocabulary fits model.vocab_size, where the job
     is built (ds3dctl, a plain torchrun worker) and when ds3dd accepts it; not at a worker's
     (re)start under ds3dd (`validate_job`): no worker reads it (`ds3dctl export` does), so a
-    tokenizer moved after submission, or absent on the job's other nodes, must not stop it."""
+    tokenizer moved after submission, or absent on the job's other nodes, must not stop it.
+    The datasets' token ids are scanned against model.vocab_size here too (token_scan.py: once
+    per submission, not at every restart)."""
     from .data import tokenizer_problems
+    from .token_scan import token_id_problems
 
-    problems = tokenizer_problems(cfg)
+    problems = tokenizer_problems(cfg) + token_id_problems(cfg)
     if problems:
         raise ConfigError(f"job {cfg.name!r} cannot run as configured:\n  - "
                           + "\n  - ".join(problems))
