@@ -58,8 +58,12 @@ def test_token_file(tmp_path):
 def test_token_out_of_vocab_is_a_clear_error(tmp_path):
     out = tmp_path / "t.bin"
     np.full(1000, 300, dtype=np.uint16).tofile(out)
-    cfg = build_job_config("tiny", [f'data.source="{out}"'])
     from ds3d.trainer.errors import ConfigError
+    with pytest.raises(ConfigError, match="token id 300 at token 0 is outside"):
+        build_job_config("tiny", [f'data.source="{out}"'])  # token_scan.py, before any start
+    # beyond the scanned prefix, each sample is checked as it is drawn
+    cfg = build_job_config("tiny", [f'data.source="{out}"', "model.vocab_size=512"])
+    cfg.model.vocab_size = 256
     with pytest.raises(ConfigError, match="vocab_size=256"):
         next(BatchPlan(cfg, 1, 0).step_iterator(0))
 

@@ -101,11 +101,13 @@ def _job(*sets):
     return build_job_config("tiny", ["model.seq_len=8", *sets])
 
 
-def _blend(prefixes, weights=None, boundaries=None):
+def _blend(prefixes, weights=None, boundaries=None, vocab=None):
     weights = weights or [1.0] * len(prefixes)
     pairs = zip(prefixes, weights, strict=True)
     items = ", ".join(f'{{prefix = "{p}", weight = {w}}}' for p, w in pairs)
     sets = ['data.source="indexed"', f"data.blend=[{items}]"]
+    if vocab:
+        sets.append(f"model.vocab_size={vocab}")
     if boundaries:
         sets.append(f'data.document_boundaries="{boundaries}"')
     return _job(*sets)
@@ -170,8 +172,12 @@ def test_data_section_is_validated_before_launch(tmp_path):
 
 def test_out_of_vocabulary_tokens_name_the_dataset(tmp_path):
     prefix = write_spec(tmp_path / "big", [[300] * 50])
+    with pytest.raises(ConfigError, match="big': token id 300 at token 0 is outside model"):
+        _blend([prefix])  # token_scan.py, where the job is built
+    cfg = _blend([prefix], vocab=512)
+    cfg.model.vocab_size = 256  # beyond the scanned prefix: checked as each sample is drawn
     with pytest.raises(ConfigError, match="token id 300 in .*big is outside model.vocab_size=256"):
-        BatchPlan(_blend([prefix]), 1, 0).micro_batch(0, 0)
+        BatchPlan(cfg, 1, 0).micro_batch(0, 0)
 
 
 @pytest.fixture(scope="module")
