@@ -688,8 +688,10 @@ def rebalance_text(job: str, r: pb.RebalanceResponse) -> str:
 
 
 def _export(client: Any, args: argparse.Namespace, out: Any) -> None:
-    """Runs the export here (it needs torch, imported only now), reading the job's store from
-    its job.json on this node unless --store is given."""
+    """Runs the export here (it needs torch, imported only now), reading the job's store and
+    data.tokenizer from its job.json on this node; with --store, ds3dd is not asked (the job
+    may be unknown to it or ds3dd not running), so only --tokenizer is written. An --out URL
+    is opened and must be empty before the checkpoint is downloaded."""
     import tempfile
     from pathlib import Path
 
@@ -697,8 +699,8 @@ def _export(client: Any, args: argparse.Namespace, out: Any) -> None:
     from ds3d.trainer.config import JobConfig
     from ds3d.trainer.errors import NotFoundError
 
-    store, tokenizer = args.store, args.tokenizer
-    if store is None or (args.format == "hf" and tokenizer is None):
+    store, tokenizer, tokenizer_from = args.store, args.tokenizer, "--tokenizer"
+    if store is None:
         run_dir = client.call("GetJob", pb.JobRef(name=args.job)).job.run_dir
         job_json = Path(run_dir) / "job.json"
         if not job_json.is_file():
@@ -706,23 +708,33 @@ def _export(client: Any, args: argparse.Namespace, out: Any) -> None:
                                 "head node, or give --store (the job's store prefix)"
                                 + (" and --tokenizer" if args.format == "hf" else ""))
         cfg = JobConfig.load_json(job_json)
-        store = store or job_store_url(cfg.checkpoint.store, cfg.name, run_dir)
-        if args.format == "hf" and tokenizer is None:  # a --tokenizer given stays
-            tokenizer = cfg.data.tokenizer
+        store = job_store_url(cfg.checkpoint.store, cfg.name, run_dir)
+        if args.format == "hf" and tokenizer is None and cfg.data.tokenizer is not None:
+            tokenizer = cfg.data.tokenizer  # a --tokenizer given stays
+            tokenizer_from = f"the job's data.tokenizer={tokenizer!r}"
     from ds3d.trainer.export import export
 
-    if args.out.startswith("s3://"):
-        with tempfile.TemporaryDirectory(prefix="ds3d-export-") as tmp:
-            cfg_out = export(store, tmp, args.step, args.format, tokenizer)
+    if "://" in args.out:
+        try:
             dest = open_storage(args.out)
+        except Ds3dError as e:
+            raise UsageError(f"--out {args.out}: {e}") from None
+        if held := dest.list(""):
+            names = ", ".join(o.key for o in held[:5]) + (" ..." if len(held) > 5 else "")
+            raise UsageError(f"--out {args.out} is not empty (it holds {names}); give an empty "
+                             "prefix, so that no earlier export's files mix with this one's")
+        with tempfile.TemporaryDirectory(prefix="ds3d-export-") as tmp:
+            cfg_out = export(store, tmp, args.step, args.format, tokenizer, tokenizer_from)
             for name in cfg_out["files"]:
                 dest.put_file(Path(tmp) / name, name)
     else:
-        cfg_out = export(store, args.out, args.step, args.format, tokenizer)
+        cfg_out = export(store, args.out, args.step, args.format, tokenizer, tokenizer_from)
     how = ("transformers.AutoModelForCausalLM.from_pretrained(PATH)" if args.format == "hf"
            else "ds3d.trainer.export.load_exported(PATH)")
+    where = ("give --tokenizer: with --store, the job's data.tokenizer is not read" if args.store
+             else "set data.tokenizer or give --tokenizer")
     note = ("" if args.format != "hf" or tokenizer else
-            "; no tokenizer known (set data.tokenizer or give --tokenizer), none written")
+            f"; no tokenizer known ({where}), none written")
     print(f"{args.job}: exported step {cfg_out['step']} ({cfg_out['parameters']:,} parameters, "
           f"{cfg_out['dtype']}) to {args.out}: {', '.join(cfg_out['files'])}; load with "
           f"{how}{note}", file=out)

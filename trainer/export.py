@@ -39,8 +39,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ds3d.checkpoints.catalog import Catalog
-from ds3d.checkpoints.storage import open_storage
+from ds3d.checkpoints.catalog import Catalog, CkptState
+from ds3d.checkpoints.layout import CKPT_ROOT
+from ds3d.checkpoints.storage import join_url, open_storage
 
 from .errors import CheckpointError, ConfigError, Ds3dError
 
@@ -156,19 +157,22 @@ FORMATS = ("ds3d", "hf")
 
 
 def export(store_url: str, out_dir: str | Path, step: int | None = None, fmt: str = "ds3d",
-           tokenizer: str | None = None) -> dict[str, Any]:
+           tokenizer: str | None = None, tokenizer_from: str = "--tokenizer") -> dict[str, Any]:
     """Writes the weights of the job whose store prefix is `store_url` to OUT: format "ds3d"
     (model.safetensors + config.json for `load_exported`) or "hf" (a transformers GPT-NeoX
-    folder, with the tokenizer's files when `tokenizer` is given). Returns a summary: step,
-    parameters, dtype, source_layout, files, config."""
+    folder, with the tokenizer's files when `tokenizer` is given; `tokenizer_from` names where
+    it came from in an error). Returns a summary: step, parameters, dtype, source_layout,
+    files, config."""
     if fmt not in FORMATS:
         raise CheckpointError(f"export format {fmt!r} is unknown; use one of {', '.join(FORMATS)}")
     if tokenizer is not None and fmt != "hf":
         raise CheckpointError("a tokenizer is written only with the hf format; add --format hf "
                               "or leave --tokenizer out")
+    if step is not None and step < 0:
+        raise CheckpointError(f"--step {step}: a step is a whole number from 0")
     out, created = _output_folder(out_dir)  # both checked before a checkpoint is downloaded
     try:
-        return _export_into(out, store_url, step, fmt, tokenizer)
+        return _export_into(out, store_url, step, fmt, tokenizer, tokenizer_from)
     except BaseException:
         for folder in reversed(created):  # a failed export leaves no empty folder behind
             try:
@@ -179,7 +183,7 @@ def export(store_url: str, out_dir: str | Path, step: int | None = None, fmt: st
 
 
 def _export_into(out: Path, store_url: str, step: int | None, fmt: str,
-                 tokenizer: str | None) -> dict[str, Any]:
+                 tokenizer: str | None, tokenizer_from: str) -> dict[str, Any]:
     from safetensors.torch import save_file
 
     if tokenizer is not None:
@@ -188,14 +192,15 @@ def _export_into(out: Path, store_url: str, step: int | None, fmt: str,
         try:
             TextTokenizer(tokenizer)
         except ConfigError as e:
-            raise CheckpointError(f"--tokenizer: {e}") from None
+            fix = ("" if tokenizer_from == "--tokenizer" else "; give --tokenizer with the "
+                   "tokenizer the data was made with (its new path, if it was moved)")
+            raise CheckpointError(f"{tokenizer_from}: {e}{fix}") from None
     storage = open_storage(store_url)
     with tempfile.TemporaryDirectory(prefix="ds3d-export-") as scratch:
         catalog = Catalog(storage, scratch)
         found = catalog.newest_restorable(checksums=True, download=True, only_step=step)
         if found is None:
-            what = f"step {step}" if step is not None else "any step"
-            raise CheckpointError(f"no complete, verified checkpoint of {what} in {store_url}")
+            raise CheckpointError(_nothing_to_export(catalog, storage, store_url, step))
         m = found.manifest
         tag_dir = Path(scratch) / m.tag
         ds_state = _read_model_states(tag_dir)
@@ -229,14 +234,45 @@ def _export_into(out: Path, store_url: str, step: int | None, fmt: str,
     return {**config, "files": ["config.json", "model.safetensors"], "config": config}
 
 
+def _nothing_to_export(catalog: Catalog, storage: Any, url: str, step: int | None) -> str:
+    """Why no checkpoint was found, with what to give instead: the steps that are committed,
+    or the job's prefix when `url` is the store's root (the folder above the job's)."""
+    what = f"step {step}" if step is not None else "any step"
+    msg = f"no complete, verified checkpoint of {what} in {url}"
+    found = catalog.list()
+    committed = [i.step for i in found if i.state == CkptState.COMMITTED]
+    if committed:
+        shown = ", ".join(map(str, committed[-10:]))
+        more = f" (the newest 10 of {len(committed)})" if len(committed) > 10 else ""
+        return (f"{msg}; its committed steps are {shown}{more}"
+                + ("" if step is None else ": give one of them as --step, or leave --step out"))
+    jobs = sorted({key.split("/", 1)[0] for key in (o.key for o in storage.list(""))
+                   if key.count("/") >= 2 and key.split("/", 2)[1] + "/" == CKPT_ROOT})
+    if jobs:
+        return (f"{msg}: it is a store's root holding the job folder(s) {', '.join(jobs)}; "
+                f"give the job's prefix, e.g. --store {join_url(url, jobs[0])}")
+    return msg + ("" if found else "; it holds no checkpoint (is it the job's store "
+                  "prefix, e.g. file:///state/jobs/JOB/store/JOB?)")
+
+
 def _output_folder(out_dir: str | Path) -> tuple[Path, list[Path]]:
     """The export's folder, created, and the folders made for it (outermost first): an empty
     --out (an unset shell variable) would write into the current folder, and a path that is a
-    file or cannot be made was a traceback."""
+    file or cannot be made was a traceback. A folder holding files is refused: an export's
+    files beside another's (an old tokenizer.json beside a new model) load as one."""
     if not str(out_dir).strip():
         raise CheckpointError("the export folder (--out) is empty; give a folder, e.g. "
                               "--out exports/step-100")
+    if "://" in str(out_dir):
+        raise CheckpointError(f"--out {str(out_dir)!r} is not a local folder; export here and "
+                              "copy it, or use `ds3dctl export JOB --out s3://bucket/prefix`, "
+                              "which uploads the export")
     out = Path(out_dir)
+    if out.is_dir() and (held := sorted(p.name for p in out.iterdir())):
+        shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
+        raise CheckpointError(f"--out {str(out)!r} is not empty (it holds {shown}); give a new "
+                              "or empty folder, so that no earlier export's files mix with "
+                              "this one's")
     created = [p for p in (out, *out.parents) if not p.exists()][::-1]
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -283,6 +319,17 @@ def load_exported(path: str | Path) -> Any:
     return model.eval()  # rotary tables are derived per device at the first call (kernels.py)
 
 
+def _step(value: str) -> int:
+    """--step as ds3dctl takes it: a whole number from 0 (argparse's refusal, exit 2)."""
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {value!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number from 0")
+    return n
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ds3d.trainer.export",
                                  description="consolidated weights (safetensors + config.json) "
@@ -290,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "and ZeRO stage, as ds3d's format or Hugging Face GPT-NeoX")
     ap.add_argument("--store", required=True, help="the job's store prefix, e.g. "
                     "s3://bucket/ds3d/JOB or file:///state/jobs/JOB/store/JOB")
-    ap.add_argument("--step", type=int, help="default: the newest committed checkpoint")
+    ap.add_argument("--step", type=_step, help="default: the newest committed checkpoint")
     ap.add_argument("--out", required=True, help="output folder")
     ap.add_argument("--format", choices=FORMATS, default="ds3d", help="ds3d: safetensors for "
                     "load_exported; hf: a transformers GPT-NeoX folder")

@@ -140,5 +140,5 @@ def write_hf(out: Path, tensors: dict[str, torch.Tensor], m: ModelConfig,
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     files = ["config.json", "model.safetensors"]
     if tok is not None:
-        files += tok.save_for_transformers(out)
+        files += tok.save_for_transformers(out, model_max_length=m.seq_len)
     return {"files": files, "config": config}

@@ -17,12 +17,15 @@ next to an exported model.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
 
 BYTES = "bytes"
+# transformers' model_max_length when a tokenizer states none (VERY_LARGE_INTEGER, 1e30)
+_UNSTATED_LENGTH = int(1e29)
 # end-of-document tokens of common tokenizers, tried in order when none is named
 EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
 
@@ -34,6 +37,7 @@ class TextTokenizer:
         self.spec, self.download = spec, download
         self._hf: Any = None   # tokenizers.Tokenizer
         self._auto: Any = None  # transformers tokenizer (hub names)
+        self._folder: Path | None = None  # the folder it came from (its transformers settings)
         if spec != BYTES:
             self._load(spec)
         self.eod_id = self._find_eod(eod_token)
@@ -47,7 +51,9 @@ class TextTokenizer:
                               "pip install tokenizers") from None
         if path.is_file():
             self._hf = _tokenizer_from_file(Tokenizer, path)
+            self._folder = path.parent if path.name == "tokenizer.json" else None
         elif path.is_dir():
+            self._folder = path
             if (path / "tokenizer.json").is_file():
                 self._hf = _tokenizer_from_file(Tokenizer, path / "tokenizer.json")
             elif (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
@@ -100,25 +106,58 @@ class TextTokenizer:
             return list(self._auto.encode(text, add_special_tokens=False))
         return list(self._hf.encode(text, add_special_tokens=False).ids)
 
-    def save_for_transformers(self, out: Path) -> list[str]:
+    def save_for_transformers(self, out: Path, model_max_length: int | None = None) -> list[str]:
         """Writes the files `transformers.AutoTokenizer.from_pretrained(out)` loads; returns
-        their names (none for the byte-level tokenizer, which transformers does not know)."""
+        the names of all it wrote (none for the byte-level tokenizer, which transformers does
+        not know). A transformers folder's own tokenizer_config.json (pad token, padding side,
+        special tokens) and special_tokens_map.json are kept; otherwise the settings name the
+        end-of-document token as bos/eos and an unknown token only when the tokenizer's model
+        has one (GPT-2's byte-level BPE has none: an invented one replaced a real <unk>).
+        `model_max_length` (the model's seq_len) is written where the source states none."""
         if self.spec == BYTES:
             return []
-        before = {p.name for p in out.iterdir()} if out.is_dir() else set()
         if self._auto is not None:
-            self._auto.save_pretrained(str(out))
-        else:  # what PreTrainedTokenizerFast.save_pretrained writes, without needing it
-            out.mkdir(parents=True, exist_ok=True)
-            self._hf.save(str(out / "tokenizer.json"))
-            eod = self._hf.id_to_token(self.eod_id) if self.eod_id is not None else None
-            settings: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast",
-                                        "model_max_length": None, "clean_up_tokenization_spaces":
-                                        False}
+            if model_max_length is not None and self._auto.model_max_length >= _UNSTATED_LENGTH:
+                self._auto.model_max_length = model_max_length
+            saved = self._auto.save_pretrained(str(out))
+            return sorted({Path(f).name for f in saved if Path(f).is_file()})
+        out.mkdir(parents=True, exist_ok=True)
+        self._hf.save(str(out / "tokenizer.json"))
+        files = ["tokenizer.json", "tokenizer_config.json"]
+        settings = self._folder_settings()
+        eod = self._hf.id_to_token(self.eod_id) if self.eod_id is not None else None
+        if settings is None:  # what PreTrainedTokenizerFast.save_pretrained writes
+            settings = {"tokenizer_class": "PreTrainedTokenizerFast",
+                        "clean_up_tokenization_spaces": False}
             if eod is not None:
-                settings.update(bos_token=eod, eos_token=eod, unk_token=eod)
-            (out / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")
-        return sorted({p.name for p in out.iterdir()} - before)
+                settings.update(bos_token=eod, eos_token=eod)
+            unk = getattr(self._hf.model, "unk_token", None)
+            if isinstance(unk, str) and self._hf.token_to_id(unk) is not None:
+                settings["unk_token"] = unk
+        elif eod is not None:
+            settings.setdefault("eos_token", eod)
+        if settings.get("model_max_length") is None and model_max_length is not None:
+            settings["model_max_length"] = model_max_length
+        (out / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")
+        special = self._folder / "special_tokens_map.json" if self._folder else None
+        if special is not None and special.is_file():
+            shutil.copyfile(special, out / special.name)
+            files.append(special.name)
+        return sorted(files)
+
+    def _folder_settings(self) -> dict[str, Any] | None:
+        """The tokenizer_config.json of the folder the tokenizer came from, if any."""
+        path = self._folder / "tokenizer_config.json" if self._folder else None
+        if path is None or not path.is_file():
+            return None
+        try:
+            settings = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{path} cannot be read as JSON ({e}); fix it or give the "
+                              "tokenizer.json alone in another folder") from None
+        if not isinstance(settings, dict):
+            raise ConfigError(f"{path} is not a JSON object of tokenizer settings")
+        return settings
 
 
 def _tokenizer_from_file(cls: Any, path: Path) -> Any:
