@@ -25,6 +25,7 @@ import signal
 import sys
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
@@ -32,6 +33,9 @@ from .config import JobConfig, build_job_config
 from .errors import Ds3dError
 from .exit_codes import EXIT_CONFIG
 from .process_age import StartupTimeline
+
+if TYPE_CHECKING:
+    from .loop import Trainer
 
 
 def config_refusal(e: BaseException) -> bool:
@@ -99,6 +103,23 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
 
 
+def _run_to_end(trainer: Trainer) -> None:
+    """Trains to the end, its last checkpoint durable. This rank's node memory files go on a
+    clean exit and on a refusal (EXIT_CONFIG: the group is not restarted, so nothing reads
+    them; under plain torchrun they stayed in /dev/shm); any other error keeps them for the
+    restart."""
+    try:
+        trainer.wait_for_store(trainer.run())
+    except Exception as e:
+        if config_refusal(e):
+            trainer.ckpt.release_node_memory()
+        raise
+    else:
+        trainer.ckpt.release_node_memory()
+    finally:
+        trainer.close()
+
+
 def _train(cfg: JobConfig, run_dir: Path, env, stop_at_step: int | None,
            startup: StartupTimeline) -> int:
     import torch
@@ -125,11 +146,7 @@ def _train(cfg: JobConfig, run_dir: Path, env, stop_at_step: int | None,
         if profile is not None:
             profile.part("build_and_load")
             trainer.after_first_step = lambda: profile.stop("first_step")
-        try:
-            trainer.wait_for_store(trainer.run())  # a job ends with its last checkpoint durable
-            trainer.ckpt.release_node_memory()  # a clean exit: no restart reads it
-        finally:
-            trainer.close()
+        _run_to_end(trainer)
     except (RuntimeError, MemoryError) as e:
         if not is_oom(e):
             raise
