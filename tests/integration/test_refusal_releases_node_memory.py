@@ -18,9 +18,9 @@ from support import worker_env
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_refusal_mid_run_removes_the_node_memory_files(tmp_path):
-    tokens = np.arange(SCAN_TOKENS + (SCAN_TOKENS >> 2), dtype=np.uint64) % 200
+    tokens = np.resize(np.arange(200, dtype=np.uint16), SCAN_TOKENS + (SCAN_TOKENS >> 2))
     tokens[SCAN_TOKENS:] = 300  # a fifth of the samples reach it; validation sees none
-    tokens.astype(np.uint16).tofile(tmp_path / "tokens.bin")
+    tokens.tofile(tmp_path / "tokens.bin")
     (tmp_path / "job.toml").write_text(
         f'preset = "tiny"\nname = "refused"\n[data]\nsource = "{tmp_path / "tokens.bin"}"\n'
         "[checkpoint]\nkeep_in_node_memory = true\ninterval = 1\n")
