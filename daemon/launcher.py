@@ -175,9 +175,13 @@ class Launcher:
 
     def start(self, run_dir: Path, cfg: JobConfig, attempt: int, rdzv_endpoint: str,
               run_id: str, local_addr: str | None = None,
-              expected_nodes: int | None = None) -> AgentHandle:
+              expected_nodes: int | None = None,
+              restarts_left: int | None = None) -> AgentHandle:
         """Writes `control/agent-<attempt>.json` and starts the agent on it. The head passes
-        `expected_nodes` (the nodes started this attempt, itself included)."""
+        `expected_nodes` (the nodes started this attempt, itself included) and `restarts_left`:
+        what the job's restart budget has left (each agent restarts its group by itself, so
+        one given the whole of `launch.max_restarts` at every relaunch or resume made the budget
+        endless in effect; a share node's agent follows the head's rendezvous)."""
         nnodes = cfg.launch.nnodes
         nproc = cfg.launch.nproc_per_node or cfg.parallel.world_size // nnodes
         control = run_dir / "control"
@@ -190,7 +194,8 @@ class Launcher:
             rdzv_backend=ETCD_BACKEND if cfg.launch.rendezvous else "c10d",
             rdzv_endpoint=rdzv_endpoint,
             rdzv_configs=ETCD_RDZV_CONFIGS if cfg.launch.rendezvous else RDZV_CONFIGS,
-            max_restarts=cfg.launch.max_restarts, worker_module=self.worker_module,
+            max_restarts=cfg.launch.max_restarts if restarts_left is None
+            else max(0, restarts_left), worker_module=self.worker_module,
             log_dir=str(run_dir / "logs" / f"attempt-{attempt}"), result_file=str(result_file),
             pid_file=str(control / f"agent-{attempt}.pid"), local_addr=local_addr or self.node_addr,
             extensions_dir=str(job_extensions_dir(run_dir)),

@@ -552,8 +552,9 @@ class JobSupervisor:
                 self.log.warning("fault", cause=fault.cause, detail=fault.message)
                 self._restart_or_fail(self.store.get_job(self.name), fault)
                 return
-            self.agent = self.ctx.launcher.start(self.jobdir.path, cfg, attempt, endpoint,
-                                                 run_id, expected_nodes=1 + others)
+            self.agent = self.ctx.launcher.start(
+                self.jobdir.path, cfg, attempt, endpoint, run_id, expected_nodes=1 + others,
+                restarts_left=cfg.launch.max_restarts - job.restarts)
         assert self.agent is not None
         self.store.record(self.name, EventKind.LAUNCH,
                           f"agent attempt {attempt} pid {self.agent.ref.pid}",

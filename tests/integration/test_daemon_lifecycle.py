@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -60,8 +61,14 @@ def test_save_pause_resume_rollback_stop(daemon):
     assert job["last_checkpoint_step"] == paused_at
 
     assert daemon.ctl("resume", "long").returncode == 0
-    daemon.wait_for("long", lambda j: j["state"] == "RUNNING" and j["step"] > paused_at,
-                    "progress after resume")
+    job = daemon.wait_for("long", lambda j: j["state"] == "RUNNING" and j["step"] > paused_at,
+                          "progress after resume")
+    # the resumed agent restarts its group only as often as the job's budget has left (the
+    # crash at step 3 used one of the default 3): each new agent had all 3 again
+    control = Path(job["run_dir"]) / "control"
+    newest = max(control.glob("agent-*.json"), key=lambda p: int(p.stem.split("-")[1]))
+    assert job["restarts"] == 1 and newest.stem != "agent-1"
+    assert json.loads(newest.read_text())["max_restarts"] == 3 - 1
 
     n_starts = len([e for e in daemon.events("long") if e["kind"] == "start"])
     assert daemon.ctl("rollback", "long", str(first_ckpt)).returncode == 0
