@@ -66,8 +66,9 @@ def _seconds_from(low: float) -> Callable[[str], float]:
 
 def _port(text: str) -> int:
     """A TCP port to listen on (argparse then exits 2 with it)."""
-    if not text.strip().isdigit() or not 1 <= int(text) <= 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port from 1 to 65535")
+    if not text.strip().isdigit() or not 0 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port from 0 to 65535 (0 picks "
+                                         "a free one)")
     return int(text)
 
 
@@ -104,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tls-key", help="PEM private key of this daemon")
     ap.add_argument("--tls-ca", help="PEM CA that signs client and peer certificates")
     ap.add_argument("--metrics-port", type=_port,
-                    help="serve Prometheus metrics on this port")
+                    help="serve Prometheus metrics on this port of 127.0.0.1 (0 picks a free "
+                    "one, written to the log)")
     ap.add_argument("--rdzv-host", default="127.0.0.1",
                     help="address the jobs' rendezvous stores bind to (the cluster network for "
                     "multi-node jobs)")

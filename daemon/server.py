@@ -188,7 +188,13 @@ class Daemon:
         for svc in ("", SERVICE_NAME):
             health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)
         if self.opts.metrics_port is not None:
-            self.metrics_port = self.metrics.serve(self.opts.metrics_port)
+            try:
+                self.metrics_port = self.metrics.serve(self.opts.metrics_port)
+            except OSError as e:
+                why = "it is already in use" if e.errno == errno.EADDRINUSE else e.strerror
+                raise ConfigError(f"cannot serve metrics on 127.0.0.1:{self.opts.metrics_port} "
+                                  f"({why}); give another --metrics-port (0 picks a free one)"
+                                  ) from None
         self.supervisors.ctx.address = self.address  # an etcd-mode job's leader is named so
         self.supervisors.resume_all()
         standby = Standby(self.store, self.shares, self.supervisors.ctx.jobs_root,

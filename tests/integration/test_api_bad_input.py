@@ -482,6 +482,20 @@ def test_issue17_6_listen_port_in_use_is_one_line_and_exit_2(tmp_path):
         _one_line_refusal(d.argv, f"port {port} is already in use")
 
 
+def test_a_metrics_port_in_use_names_the_port_and_the_flag(tmp_path):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        d = DaemonProc(tmp_path / "state", args=["--metrics-port", str(port)])
+        r = subprocess.run(d.argv, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2, (r.stdout, r.stderr)
+        assert r.stderr.splitlines()[-1] == (
+            f"ds3dd: cannot serve metrics on 127.0.0.1:{port} (it is already in use); give "
+            "another --metrics-port (0 picks a free one)"), r.stderr
+        assert "Traceback" not in r.stderr + r.stdout
+
+
 CONTROL_METHODS = [m.name for m in pb.DESCRIPTOR.services_by_name["Control"].methods]
 
 

@@ -9,9 +9,8 @@ from ds3d.daemon import main as ds3dd_main
 
 
 @pytest.mark.parametrize("flag,bad,needle", [
-    ("--metrics-port", "99999", "is not a TCP port from 1 to 65535"),
-    ("--metrics-port", "-1", "is not a TCP port from 1 to 65535"),
-    ("--metrics-port", "0", "is not a TCP port from 1 to 65535"),
+    ("--metrics-port", "99999", "is not a TCP port from 0 to 65535"),
+    ("--metrics-port", "-1", "is not a TCP port from 0 to 65535"),
     ("--max-request-bytes", "0", "is not a whole number of bytes from 1024 to 2147483647"),
     ("--max-request-bytes", "-5", "is not a whole number of bytes from 1024"),
     ("--max-request-bytes", "99999999999", "is not a whole number of bytes from 1024"),
@@ -35,6 +34,7 @@ def test_good_values_and_defaults():
     args = parse([])
     assert (args.metrics_port, args.max_request_bytes, args.hang_timeout,
             args.drain_timeout) == (None, 1 << 20, 120.0, 300.0)
+    assert parse(["--metrics-port", "0"]).metrics_port == 0  # a free one (docs/metrics.md)
     args = parse(["--metrics-port", "9400", "--max-request-bytes", "1024",
                   "--hang-timeout", "0.5", "--drain-timeout", "0"])
     assert (args.metrics_port, args.max_request_bytes, args.hang_timeout,
