@@ -420,19 +420,30 @@ def _pct(v: float | None, target: float) -> str:
     return f"{v:.1%}" + (" !" if v > target else "")
 
 
+MESSAGE_COLUMN = 60  # characters of the status line in the table; `status JOB` adds it whole
+_TRAINING = (pb.RUNNING, pb.STARTING, pb.RECOVERING)
+
+
+def _cut(message: str) -> str:
+    return message if len(message) <= MESSAGE_COLUMN else message[:MESSAGE_COLUMN - 1] + "…"
+
+
 def job_table(jobs: Sequence[pb.JobStatus]) -> str:
     head = ("NAME", "STATE", "STEP", "LOSS", "TOKENS/S", "ETA", "RESTARTS", "LAYOUT", "MESSAGE")
     rows = [head]
     for j in jobs:
         state = _state(j.state)
-        if j.desired_state != j.state and j.state in (pb.RUNNING, pb.STARTING, pb.RECOVERING):
+        training = j.state in _TRAINING
+        if j.desired_state != j.state and training:
             state += f"->{_state(j.desired_state)}"
+        # a paused or ended job has no rate and no ETA (its last rate would promise one)
         rows.append((j.spec.name, state, f"{j.step}/{j.spec.total_steps}", _loss(j.loss),
-                     f"{j.tokens_per_s:,.0f}" if j.tokens_per_s else "-", _duration(j.eta_s),
+                     f"{j.tokens_per_s:,.0f}" if j.tokens_per_s and training else "-",
+                     _duration(j.eta_s) if training else "-",
                      str(j.restarts), f"tp{j.spec.tp} pp{j.spec.pp} dp{j.spec.dp}" + (
                          f" {'|'.join(map(str, j.stage_boundaries))}" if j.spec.pp > 1 and
                          j.stage_boundaries else ""),
-                     j.message[:60]))
+                     _cut(j.message)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
                      for r in rows)
@@ -578,6 +589,8 @@ def run(args: argparse.Namespace, out: Any = sys.stdout) -> int:
                   file=out)
         else:
             print(job_table(jobs) if jobs else "no jobs", file=out)
+            if c == "status" and args.job and len(jobs[0].message) > MESSAGE_COLUMN:
+                print(f"\nmessage: {jobs[0].message}", file=out)  # the reason and its fix, whole
             if interval is not None:
                 print(f"\n{interval.message} (as of step {interval.step})", file=out)
             if c == "status" and args.job and jobs[0].memory_snapshot_step >= 0:

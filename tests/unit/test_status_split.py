@@ -204,3 +204,20 @@ def test_status_shows_the_newest_auto_interval_with_its_inputs(monkeypatch, tmp_
     assert data["checkpoint_interval"] == {**detail, "step": 40}
     # a job without "auto" has no such event, and no line
     assert "checkpoint every" not in run(monkeypatch, a_job(tmp_path, split=False), "status", "j")
+
+
+def test_a_long_message_is_cut_in_the_table_and_whole_under_one_job(monkeypatch, tmp_path):
+    """`ds3dctl status JOB` is where the runbook sends an operator for the reason a job failed:
+    it was cut at 60 characters there too ('... restarts used); rai'). A job not training shows
+    no rate and no ETA (a FAILED job read 'ETA 0:00:00', a paused one its last rate's ETA)."""
+    reason = ("agent_exit: restart budget spent (5 of 3 restarts used); raise "
+              "launch.max_restarts or fix the cause and start a new job")
+    job = a_job(tmp_path, split=False)
+    job.state, job.message, job.tokens_per_s, job.eta_s = pb.FAILED, reason, 7.0, 0.0
+    one = run(monkeypatch, job, "status", "j")
+    row = one.splitlines()[1]
+    assert reason[:59] + "…" in row and reason not in row
+    assert f"message: {reason}" in one
+    assert row.split()[4:6] == ["-", "-"]  # TOKENS/S, ETA
+    job.state = pb.RUNNING
+    assert run(monkeypatch, job, "status", "j").splitlines()[1].split()[4:6] == ["7", "0:00:00"]
