@@ -282,11 +282,20 @@ class ReportTail:
                      "blocked_s": _num(rec.get("blocked_s")) or 0.0,
                      "detail": ev["message"] if ev is not None and
                      phase in PROBLEM_PHASES else ""}]
+        # steps deleted by the workers: retention, a rollback's abandoned timeline, a fault
+        # recovery's checkpoints of suspect steps (listed as committed, then "missing", before)
+        deleted, why = [], ""
         if rec.get("kind") == RecordKind.CHECKPOINT and rec.get("phase") == "retention":
-            return [{"step": s, "phase": "deleted", "time": ev["time"] if ev else 0,
-                     "detail": f"deleted by retention after step {rec.get('step')}"}
-                    for s in rec.get("deleted") or [] if isinstance(s, int)]
-        return []
+            deleted, why = rec.get("deleted") or [], f"by retention after step {rec.get('step')}"
+        elif rec.get("kind") == RecordKind.CHECKPOINT and rec.get("phase") == "rolled_back":
+            deleted, why = rec.get("deleted") or [], f"by the rollback to step {rec.get('step')}"
+        elif rec.get("kind") == RecordKind.RECOVERY and rec.get("dropped_checkpoints"):
+            deleted = rec["dropped_checkpoints"]
+            why = f"by the recovery to step {rec.get('recovered_to')} (trained on suspect steps)"
+        return [{"step": s, "phase": "deleted", "time": ev["time"] if ev else 0,
+                 "detail": f"deleted {why}"}
+                for s in (deleted if isinstance(deleted, list) else [])
+                if isinstance(s, int) and not isinstance(s, bool)]
 
     def _usable(self, rec: dict[str, Any], key: str) -> bool:
         """A record that converts (event, figures, index rows). One that does not (a field of

@@ -164,7 +164,7 @@ class Trainer:
             dropped = self.ckpt.drop_newer_than(plan.step)
             (self.run_dir / "control" / "restore.json").unlink(missing_ok=True)
             self.reporter.emit(RecordKind.CHECKPOINT, step=plan.step, phase="rolled_back",
-                               detail=f"deleted newer checkpoints {dropped}")
+                               detail=f"deleted newer checkpoints {dropped}", deleted=dropped)
         log.info("resumed from checkpoint", step=plan.step, universal=plan.universal,
                  seconds=seconds)
 

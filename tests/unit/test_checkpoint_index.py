@@ -127,3 +127,35 @@ def test_checkpoint_trouble_and_the_commit_after_it_reconcile_in_the_background(
     reconciler.observe([{"kind": "checkpoint", "phase": "committed", "step": 20}])
     reconciler.wait(10)
     assert phases(store) == {10: "committed", 20: "committed"}
+
+
+def test_checkpoints_a_rollback_or_a_recovery_deleted_are_listed_as_deleted(tmp_path: Path
+                                                                            ) -> None:
+    """`ds3dctl rollback JOB 20` deletes the newer checkpoints; the index listed them as
+    committed, then the next reconciliation called them `missing` (a problem, with a metric).
+    A fault recovery that drops checkpoints of suspect steps is the same."""
+    from ds3d.daemon.jobdir import JobDir
+    from ds3d.daemon.reports import ReportTail
+    from ds3d.trainer.report import Reporter
+
+    store = Store(tmp_path / "ds3d.db")
+    jd = JobDir(tmp_path / "jobs", "idx")
+    jd.create("{}")
+    store.create_job("idx", "{}", "n", str(jd.path))
+    rep = Reporter(jd.path, 0, 0)
+    for step in (10, 20, 30, 40):
+        rep.emit("checkpoint", step=step, phase="committed")
+    rep.emit("checkpoint", step=20, phase="rolled_back", detail="deleted newer checkpoints "
+             "[30, 40]", deleted=[30, 40])
+    rep.emit("checkpoint", step=30, phase="committed")  # the new timeline's
+    rep.emit("checkpoint", step=35, phase="committed")
+    rep.emit("recovery", cause="spike", step=38, recovered_to=30, steps_lost=8,
+             dropped_checkpoints=[35])
+    rep.close()
+    ReportTail(store, jd).poll()
+    rows = {r.step: (r.phase, r.detail) for r in store.checkpoints("idx")}
+    assert rows[40] == ("deleted", "deleted by the rollback to step 20")
+    assert rows[35] == ("deleted", "deleted by the recovery to step 30 (trained on suspect "
+                                   "steps)")
+    assert rows[10][0] == rows[20][0] == rows[30][0] == "committed"
+    store.close()
