@@ -117,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
                     default=1 << 20, help="largest request accepted (bytes); default 1 MiB")
     ap.add_argument("--drain-timeout", type=_seconds_or_zero, default=300.0,
                     help="on SIGTERM, seconds to wait for running jobs to checkpoint and pause "
-                    "(0: leave their workers running, to be reattached by the next ds3dd)")
+                    "(0: leave their workers running, to be reattached by the next ds3dd); "
+                    "default 300 (the systemd unit's TimeoutStopSec must exceed it)")
     ap.add_argument("--hang-timeout", type=_seconds, default=120.0,
                     help="fewest seconds without a worker report before a hang is declared")
     ap.add_argument("--start-timeout", type=_seconds, default=600.0,

@@ -239,6 +239,12 @@ class Daemon:
                    and st is not JobState.RECOVERING for st in states.values()):
                 break
             self.store.wait_for_change(0.5)
+        late = [n for n in paused if self.store.get_job(n).state.live and
+                self.store.get_job(n).state is not JobState.PAUSED]
+        if late:
+            log.warning("drain_timeout", jobs=late, timeout_s=timeout_s,
+                        detail="not paused within --drain-timeout: their workers keep running "
+                        "and the next ds3dd reattaches to them and carries out the pause")
         return paused
 
     def resume_drained(self) -> list[str]:
