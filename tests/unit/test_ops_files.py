@@ -85,6 +85,14 @@ def test_systemd_unit_keeps_training_alive_across_daemon_restarts():
     assert argv[argv.index("--state-dir") + 1] == "/var/lib/ds3d"
 
 
+def test_systemd_waits_for_the_drain_before_it_kills():
+    """SIGTERM drains (pauses every job, up to --drain-timeout); systemd's SIGKILL after
+    TimeoutStopSec must not cut it short (it was 30 s against a 300 s drain)."""
+    drain = ds3dd_main.build_parser().parse_args([]).drain_timeout
+    (stop,) = _unit()["TimeoutStopSec"]
+    assert float(stop) > drain
+
+
 def test_systemd_unit_and_env_example_pass_only_real_ds3dd_flags():
     known = _ds3dd_flags()
     (exec_start,) = _unit()["ExecStart"]
