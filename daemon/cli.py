@@ -136,7 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("pause", help="save a checkpoint and stop the workers")
     p.add_argument("job")
-    p.add_argument("--fast", action="store_true", help="do not wait for the upload")
+    p.add_argument("--fast", action="store_true",
+                   help="ask the workers not to wait for the upload (passed on; the current "
+                   "trainer still pauses after its checkpoint is committed)")
     sub.add_parser("resume", help="start a paused job again").add_argument("job")
     p = sub.add_parser("stop", help="end a job (saves a checkpoint unless --now)")
     p.add_argument("job")
@@ -651,8 +653,10 @@ def run(args: argparse.Namespace, out: Any = sys.stdout) -> int:
     elif c == "inject":
         resp = client.call("InjectFault", pb.InjectFaultRequest(
             name=args.job, kind=args.kind, rank=args.rank, at_step=args.at_step))
-        print(f"{args.job}: {args.kind} on rank {args.rank} at step {resp.at_step} "
-              f"(injection {resp.id}, {resp.path})", file=out)
+        when = f"at step {resp.at_step}" if args.at_step else \
+            f"at the first step it reads the request, step {resp.at_step} or later"
+        print(f"{args.job}: {args.kind} on rank {args.rank} {when} (injection {resp.id}, "
+              f"{resp.path})", file=out)
     elif c == "rollback":
         job = client.call("Rollback", pb.RollbackRequest(name=args.job, step=args.step)).job
         print(f"{job.spec.name}: rolling back to step {args.step}", file=out)

@@ -331,8 +331,13 @@ class JobService:
                     f"over the next {steps} steps (command {job.command_id}): run `ds3dctl "
                     f"rebalance {name} --dry-run` again once `ds3dctl events {name} --kind "
                     "profile` lists them")
+        if job.state in TERMINAL:
+            return (f"job {name!r} has no layer profile and is {job.state.name}: layers are "
+                    "profiled by running workers; a new job of the same model profiles while "
+                    "it trains (parallel.partition_method = \"measured\" profiles and splits "
+                    "by itself, or run rebalance on it)")
         return (f"job {name!r} has no layer profile and is {job.state.name}: layers are profiled "
-                "by running workers; resume or restart it (with parallel.partition_method = "
+                "by running workers; resume it (with parallel.partition_method = "
                 "\"measured\" it profiles by itself) and run rebalance again")
 
     # ---- queries -----------------------------------------------------------------------------

@@ -582,10 +582,14 @@ def explain(err: ValidationError, source: str,
             lines.append(f"{where}={value}: must be a finite number (NaN and infinity are "
                          f"refused){_range_hint(e['loc'])}")
         elif e["type"] in ("int_type", "float_type", "bool_type", "string_type") and \
-                isinstance(e.get("input"), (bool, str)):
+                isinstance(e.get("input"), (bool, str)) and _quoted_value(e["type"], e["input"]):
             kind = "true/false" if isinstance(e["input"], bool) else "a string"
             lines.append(f"{where}={value}: {e['msg']}; {kind} is not converted: write the "
                          f"value itself, e.g. 8 not \"8\", true not \"true\", 1 not true")
+        elif e["type"] in ("int_type", "float_type", "bool_type"):
+            want = {"int_type": "a whole number, e.g. 8", "float_type": "a number, e.g. 3e-4",
+                    "bool_type": "true or false"}[e["type"]]
+            lines.append(f"{where}={value}: expected {want}{_range_hint(e['loc'])}")
         elif e["type"] in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
             lines.append(f"{where}={value}: {e['msg']}{_range_hint(e['loc'])}")
         elif e["type"] in ("model_type", "model_attributes_type", "dict_type"):
@@ -617,6 +621,24 @@ def _short(value: Any) -> str:
 
 def _clip(text: str, limit: int = 80) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def _quoted_value(kind: str, given: bool | str) -> bool:
+    """The value was written as the wrong type but holds the right one ("8" for an integer,
+    true for 1): the refusal says to write it unquoted. Anything else ("abc" for a number) is
+    just not a value of the setting's type."""
+    if isinstance(given, bool):
+        return kind in ("int_type", "float_type", "string_type")
+    text = given.strip().lower()
+    if kind == "bool_type":
+        return text in ("true", "false")
+    if kind == "string_type":
+        return True
+    try:
+        int(text) if kind == "int_type" else float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _range_hint(loc: tuple[Any, ...]) -> str:

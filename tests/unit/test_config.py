@@ -287,9 +287,9 @@ LOOSE = {
     "bool into an int": ("parallel.tp=true", "true/false is not converted"),
     "string into an int": ('train.steps="10"', "a string is not converted"),
     "string into a float": ('train.lr="1e-3"', "a string is not converted"),
-    "float into an int": ("train.micro_batch_size=2.0", "valid integer"),
+    "float into an int": ("train.micro_batch_size=2.0", "expected a whole number"),
     "string into a bool": ('train.compile="true"', "a string is not converted"),
-    "int into a bool": ("checkpoint.load=1", "valid boolean"),
+    "int into a bool": ("checkpoint.load=1", "expected true or false"),
 }
 
 

@@ -418,6 +418,10 @@ def test_rebalance_without_profile_asks_running_workers(tmp_path):
     with pytest.raises(StateError, match=r"command 1\)"):  # asked once, not again
         svc.rebalance("pj", dry_run=True)
     assert store.get_job("pj").command_id == 1
+    store.transition("pj", JobState.COMPLETED, "done")  # no resume to suggest any more
+    with pytest.raises(StateError, match="is COMPLETED: .* a new job of the same model") as e:
+        svc.rebalance("pj", dry_run=True)
+    assert "resume" not in str(e.value)
 
 
 def test_rebalance_dry_run_then_apply(tmp_path):
