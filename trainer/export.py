@@ -184,7 +184,7 @@ def export(store_url: str, out_dir: str | Path, step: int | None = None, fmt: st
 
 def _export_into(out: Path, store_url: str, step: int | None, fmt: str,
                  tokenizer: str | None, tokenizer_from: str) -> dict[str, Any]:
-    from safetensors.torch import save_file
+    from .hf_export import save_weights
 
     if tokenizer is not None:
         from .text_tokenizer import TextTokenizer
@@ -229,7 +229,7 @@ def _export_into(out: Path, store_url: str, step: int | None, fmt: str,
               "positions": "rotary", "norm": "pre-layernorm", "mlp": "gelu",
               "tied_embeddings": False, **{k: v for k, v in summary.items() if k != "format"}}
     out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"))
+    save_weights(tensors, out / "model.safetensors")
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return {**config, "files": ["config.json", "model.safetensors"], "config": config}
 

@@ -123,8 +123,6 @@ def write_hf(out: Path, tensors: dict[str, torch.Tensor], m: ModelConfig,
     """Writes OUT/config.json, OUT/model.safetensors and, when `tokenizer` is given, the
     tokenizer files; returns what it wrote. `extra` (step, source layout, ...) goes into
     config.json under "ds3d" so the export says where it came from."""
-    from safetensors.torch import save_file
-
     from .text_tokenizer import TextTokenizer
 
     tok = TextTokenizer(tokenizer) if tokenizer is not None else None
@@ -136,9 +134,34 @@ def write_hf(out: Path, tensors: dict[str, torch.Tensor], m: ModelConfig,
     config = gpt_neox_config(m, dtype, tok.eod_id if tok is not None else None)
     config["ds3d"] = extra
     out.mkdir(parents=True, exist_ok=True)
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_weights(weights, out / "model.safetensors", metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     files = ["config.json", "model.safetensors"]
     if tok is not None:
         files += tok.save_for_transformers(out, model_max_length=m.seq_len)
     return {"files": files, "config": config}
+
+
+def save_weights(tensors: dict[str, torch.Tensor], path: Path,
+                 metadata: dict[str, str] | None = None) -> None:
+    """safetensors' file, readable as the process's umask allows like every other file of the
+    export (safetensors creates it 0600: config.json beside it was 0644, the weights unreadable
+    to the group that serves the model)."""
+    import os
+
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    """The process's umask, read without setting it (os.umask sets it: another thread's file
+    created meanwhile would get the temporary value)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022

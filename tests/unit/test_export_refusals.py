@@ -156,3 +156,12 @@ def test_hf_tokenizer_settings_keep_the_folders_and_invent_nothing(tmp_path):
 def _settings(tok, out, length):
     tok.save_for_transformers(out, model_max_length=length)
     return json.loads((out / "tokenizer_config.json").read_text())
+
+
+def test_the_weights_are_as_readable_as_the_config_beside_them(tmp_path):
+    """safetensors creates its file 0600: an export's config.json was 0644 and its weights
+    unreadable to the group that serves the model."""
+    m, weights = _tiny_weights()
+    write_hf(tmp_path / "hf", weights, m, None, {})
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "hf").iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"], modes
