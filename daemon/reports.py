@@ -127,6 +127,15 @@ def record_to_event(rec: dict[str, Any]) -> dict[str, Any] | None:
     elif kind == RecordKind.COMMAND:
         ev["message"] = (f"command {rec.get('id')} {rec.get('action')} "
                          f"{rec.get('status', '')}")
+    elif kind == RecordKind.PROFILE:  # trainer/layer_profile.py: one stage's measured layers
+        layers = rec.get("layers") if isinstance(rec.get("layers"), list) else []
+        ev["message"] = (f"layer profile of stage {rec.get('stage')} (rank {ev['rank']}): "
+                         f"{len(layers)} layer(s) over {rec.get('steps_sampled')} step(s) at "
+                         f"step {ev['step']}, partition {rec.get('partition')} (ds3dctl "
+                         "rebalance JOB --dry-run)")
+    elif kind == RecordKind.REPARTITION:
+        ev["message"] = (f"pipeline stages {rec.get('current')} -> {rec.get('proposed')} "
+                         f"({rec.get('source')}): {rec.get('decision')}")
     else:
         ev["message"] = json.dumps(rec)[:200]
     return ev

@@ -306,3 +306,19 @@ def test_a_record_that_does_not_convert_is_passed_over_not_a_wedged_job(tmp_path
     assert _stored_steps(store) == [7] and store.get_job("j").step == 7
     assert [r.get("step") for r in obs.records] == [7]  # the detectors see only usable ones
     assert store.offsets("j")[jd.report_key(f)] == f.stat().st_size
+
+
+def test_profile_and_repartition_events_read_as_sentences():
+    """The `profile` event's message was the record's raw JSON (cut at 200 characters)."""
+    from ds3d.daemon.reports import record_to_event
+
+    prof = record_to_event({"kind": "profile", "rank": 2, "step": 6, "stage": 1,
+                            "partition": [0, 3, 6], "steps_sampled": 3,
+                            "layers": [{"layer": 3}, {"layer": 4}, {"layer": 5}]})
+    assert prof is not None and prof["message"] == (
+        "layer profile of stage 1 (rank 2): 3 layer(s) over 3 step(s) at step 6, partition "
+        "[0, 3, 6] (ds3dctl rebalance JOB --dry-run)")
+    rep = record_to_event({"kind": "repartition", "rank": 0, "step": 6, "current": [0, 3, 6],
+                           "proposed": [0, 4, 6], "source": "measured", "decision": "applied"})
+    assert rep is not None and rep["message"] == \
+        "pipeline stages [0, 3, 6] -> [0, 4, 6] (measured): applied"
