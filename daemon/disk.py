@@ -149,15 +149,17 @@ class DiskWatch:
                                              free=st.f_bavail * st.f_frsize)
             disk.paths[role] = str(path)
         for disk in disks.values():
+            # the reserve is for what the state directory and the job directory hold: a disk
+            # with only the local tier (or a file store) on it needs room for checkpoints only
             parts = [f"{human(self.reserve_bytes)} for reports, control files and the "
-                     "daemon's database"]
-            disk.needed = self.reserve_bytes
+                     "daemon's database"] if _holds_writes(disk) else []
+            disk.needed = self.reserve_bytes if _holds_writes(disk) else 0
             if "local tier" in disk.paths:
                 size = self._newest_checkpoint_bytes(Path(disk.paths["local tier"]))
                 if size:
                     disk.needed += size
                     parts.append(f"{human(size)} for the next checkpoint (the newest one here)")
-            disk.reason = " + ".join(parts)
+            disk.reason = " + ".join(parts) or "room for the next checkpoint"
         return disks
 
     def _newest_checkpoint_bytes(self, local: Path) -> int:
@@ -201,8 +203,9 @@ class DiskWatch:
     def _full_text(self, disk: _Disk) -> str:
         where = ", ".join(f"{role} {path}" for role, path in disk.paths.items())
         effect = ("reports and the daemon's writes wait for room (the workers keep training; "
-                  "no hang is declared)" if disk.free < self.reserve_bytes
-                  else "the next checkpoint will not fit")
+                  "no hang is declared)" if disk.free < self.reserve_bytes and
+                  _holds_writes(disk) else "the next checkpoint will not fit (saves fail and are "
+                  "dropped; training goes on from the last one that fitted)")
         return (f"disk full: the file system at {disk.mount} ({where}) has "
                 f"{human(disk.free)} free ({disk.free} bytes), {human(disk.needed)} "
                 f"({disk.needed} bytes) needed: {disk.reason}; {effect}. Free space there "
@@ -270,3 +273,9 @@ class DiskWatch:
                 os.close(fd)
         except OSError:
             path.unlink(missing_ok=True)
+
+
+def _holds_writes(disk: _Disk) -> bool:
+    """The disk holds the daemon's state or the job's directory (reports, control files): a
+    full one holds those writes back, and silence from the workers is no hang."""
+    return bool({"state", "job"} & set(disk.paths))

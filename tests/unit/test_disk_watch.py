@@ -77,6 +77,32 @@ def test_a_checkpoint_that_will_not_fit_is_diagnosed_without_blocking(
     assert not watch.blocking()  # reports still flow: a real hang would still be caught
 
 
+def test_a_full_disk_holding_only_the_local_tier_names_checkpoints_only(
+        tmp_path: Path, small_tmpfs, fill_disk) -> None:
+    """checkpoint.local_dir on its own small disk, filled: the diagnosis said 16 MiB were
+    needed 'for reports, control files and the daemon's database' (on another disk) and that
+    'reports and the daemon's writes wait for room (no hang is declared)', while a hang there
+    was declared as it should be."""
+    small = small_tmpfs(8 << 20)
+    local = small / "ckpt"
+    (local / "global_step10").mkdir(parents=True)
+    (local / "global_step10" / "shard.pt").write_bytes(b"x" * (3 << 20))
+    cfg = build_job_config("tiny", [f'checkpoint.local_dir="{local}"'])
+    store = Store(tmp_path / "ds3d.db")
+    store.create_job("j", cfg.model_dump_json(), "n1", str(tmp_path / "run"))
+    watch = DiskWatch(store, "j", tmp_path, lambda job: cfg, reserve_bytes=1 << 20,
+                      interval_s=0.0)
+    fill_disk(small, leave=512 << 10)  # less than the reserve: it is not this disk's concern
+    watch.tick(store.get_job("j"))
+    [(cause, d)] = _diagnoses(store)
+    assert cause == "disk_full" and d["paths"] == {"local tier": str(local)}
+    assert d["bytes_needed"] == 3 << 20  # the next checkpoint, no reserve
+    message = store.get_job("j").message
+    assert "for reports" not in message and "no hang is declared" not in message
+    assert "the next checkpoint will not fit" in message
+    assert not watch.blocking()
+
+
 def test_a_full_state_dir_is_diagnosed_in_its_own_database(small_tmpfs, fill_disk) -> None:
     state = small_tmpfs(32 << 20)
     store = Store(state / "ds3d.db")
