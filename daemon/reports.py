@@ -301,10 +301,11 @@ class ReportTail:
         elif rec.get("kind") == RecordKind.RECOVERY and rec.get("dropped_checkpoints"):
             deleted = rec["dropped_checkpoints"]
             why = f"by the recovery to step {rec.get('recovered_to')} (trained on suspect steps)"
+        if not isinstance(deleted, list):  # a damaged record: passed over (_usable)
+            raise TypeError("deleted steps are not a list")
         return [{"step": s, "phase": "deleted", "time": ev["time"] if ev else 0,
                  "detail": f"deleted {why}"}
-                for s in (deleted if isinstance(deleted, list) else [])
-                if isinstance(s, int) and not isinstance(s, bool)]
+                for s in deleted if isinstance(s, int) and not isinstance(s, bool)]
 
     def _usable(self, rec: dict[str, Any], key: str) -> bool:
         """A record that converts (event, figures, index rows). One that does not (a field of
