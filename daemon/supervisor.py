@@ -270,9 +270,10 @@ class JobSupervisor:
             # restart); nothing is lost that a restart would have kept
             self._record_fault(job, hung)
             self._kill_agent(now=True)
+            kept = f"the newest committed checkpoint (step {job.last_ckpt_step}) is kept" \
+                if job.last_ckpt_step >= 0 else "no checkpoint was committed yet"
             self._to(want, f"{want.name.lower()} on request without the workers' final "
-                     f"checkpoint ({hung.message}); the newest committed checkpoint (step "
-                     f"{job.last_ckpt_step}) is kept", cause=hung.cause, agent_pid=0,
+                     f"checkpoint ({hung.message}); {kept}", cause=hung.cause, agent_pid=0,
                      agent_started=0)
             return
         if t.agent_running:
