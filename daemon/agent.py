@@ -39,16 +39,32 @@ The workers' errors come from torch elastic's error files (the worker's `@record
 their stderr. On its way out the agent writes `control/agent-<attempt>.exit` (JSON: exit_code,
 error) atomically: after a daemon restart the agent is no longer the daemon's child, so its exit
 status can only be learned from that file. No file means the agent itself was killed.
+
+Which rank a failure began with (`GroupFailure`): torch elastic reports one ProcessFailure per
+poll, the first failed process in local-rank order, so a rank killed by SIGKILL was reported as
+rank 0's "Connection closed by peer" (its peers die of its death within milliseconds, all before
+the next poll). The agent therefore notes, on every poll, which workers are already dead and
+when, and once the group failed reads every rank's exit code and error file: the first rank that
+failed on its own (killed by a signal the agent did not send, or an error that is not a lost
+peer) is the culprit, the ranks that lost their connection to it failed after it, the rest were
+ended by the agent. Each failure is appended to `control/agent-<attempt>.faults` (JSON lines,
+`restarted` telling whether the agent restarted the group from it) before the group is
+restarted, so the daemon records its `fault` event ahead of the new group's `start`; the last
+one is the agent's exit error.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
+import signal
 import sys
 import time
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -75,10 +91,12 @@ def _write_pid_file(path: Path) -> None:
     os.replace(tmp, path)
 
 
-def _agent_class(extensions: tuple[Path, Path] | None, semaphores: Path) -> type:
+def _agent_class(extensions: tuple[Path, Path] | None, semaphores: Path,
+                 failures: FailureLog | None = None) -> type:
     """LocalElasticAgent with ds3d's two hooks (see the module docstring); `extensions` is
     (the job's TORCH_EXTENSIONS_DIR, the warm cache it is seeded from), `semaphores` the
-    record of the named semaphores the group starts make."""
+    record of the named semaphores the group starts make, `failures` where each failed group
+    is described (which rank failed first, and how)."""
     from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
@@ -110,16 +128,23 @@ def _agent_class(extensions: tuple[Path, Path] | None, semaphores: Path) -> type
             return started
 
         def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+            if failures is not None:
+                failures.watch(self._pcontext, worker_group)  # before torch ends the others
             result: RunResult = super()._monitor_workers(worker_group)
-            if result.state is WorkerState.FAILED and any(
-                    f.exitcode == EXIT_CONFIG for f in result.failures.values()):
+            if result.state is not WorkerState.FAILED:
+                return result
+            if any(f.exitcode == EXIT_CONFIG for f in result.failures.values()):
                 self._remaining_restarts = 0  # refused configuration: a restart cannot help
+            if failures is not None:
+                failures.failed(self._pcontext, worker_group, result.failures,
+                                restarted=self._remaining_restarts > 0)
             return result
 
     return Ds3dAgent
 
 
-def _install_hooks(extensions: tuple[Path, Path] | None, semaphores: Path) -> None:
+def _install_hooks(extensions: tuple[Path, Path] | None, semaphores: Path,
+                   failures: FailureLog | None = None) -> None:
     """ds3d's changes to torch elastic, all made here, before `elastic_launch` builds the agent
     (torch's own module-level names are swapped; nothing of its loops is copied):
 
@@ -153,7 +178,7 @@ def _install_hooks(extensions: tuple[Path, Path] | None, semaphores: Path) -> No
               flush=True)
     setattr(rendezvous_api, "get_free_port", _master_port)  # noqa: B010
     setattr(launcher_api, "LocalElasticAgent",  # noqa: B010
-            _agent_class(extensions, semaphores))
+            _agent_class(extensions, semaphores, failures))
 
 
 def run(spec: AgentSpec) -> tuple[int, str]:
@@ -171,7 +196,8 @@ def run(spec: AgentSpec) -> tuple[int, str]:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    _install_hooks(extensions, Path(spec.pid_file).with_suffix(RECORD_SUFFIX))
+    failures = FailureLog(Path(spec.result_file).with_suffix(FAULTS_SUFFIX))
+    _install_hooks(extensions, Path(spec.pid_file).with_suffix(RECORD_SUFFIX), failures)
     if spec.max_nodes > 1:
         _meet_the_other_agents(spec)
     config = LaunchConfig(
@@ -192,7 +218,7 @@ def run(spec: AgentSpec) -> tuple[int, str]:
     try:
         elastic_launch(config, run_module_as_main)(module, spec.run_dir, *spec.worker_args)
     except ChildFailedError as e:
-        return failure_result(e.failures)
+        return failure_result(e.failures, failures.last)
     return 0, ""
 
 
@@ -272,22 +298,223 @@ def run_module_as_main(module: str, run_dir: str, *args: str) -> None:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
-def failure_result(failures: dict[int, Any]) -> tuple[int, str]:
+def failure_result(failures: dict[int, Any],
+                   described: GroupFailure | None = None) -> tuple[int, str]:
     """(exit code, error) of the agent for a failed group, from torch elastic's ProcessFailures
     (their `message` is the worker's error file, written by `@record`, or the signal that ended
-    it). EXIT_CONFIG is passed on when a rank refused the configuration and the others were
-    only ended by the agent (a negative code), so that the daemon does not restart it."""
+    it), or from `described`, the agent's own reading of every rank of that group (FailureLog:
+    torch names one rank, not necessarily the one that failed first). EXIT_CONFIG is passed on
+    when a rank refused the configuration and the others were only ended by the agent (a
+    negative code), so that the daemon does not restart it."""
     codes = {rank: f.exitcode for rank, f in failures.items()}
     print(f"ds3d agent: worker group failed: exit codes by rank {codes}", flush=True)
     errors = {rank: _message(f) for rank, f in failures.items() if f.exitcode > 0}
-    first = errors[min(errors)] if errors else ""
     if any(c == EXIT_CONFIG for c in codes.values()) and \
             all(c == EXIT_CONFIG or c < 0 for c in codes.values()):
         refused = min(r for r, c in codes.items() if c == EXIT_CONFIG)
         return EXIT_CONFIG, errors.get(refused) or \
             f"worker configuration refused (exit code {EXIT_CONFIG})"
-    return 1, f"worker group failed: exit codes by rank {codes}" + \
-        (f"; first worker error: {first[:500]}" if first else "")
+    if described is None or not set(codes) <= {e.rank for e in described.exits}:
+        described = group_failure([RankExit.of(rank, f) for rank, f in failures.items()])
+    return 1, f"worker group failed: {described.sentence()}"
+
+
+# The errors of a rank that failed because a peer did: its collective's or the store's
+# connection to the dead rank broke (gloo, NCCL, the c10d store). Such a rank is not where the
+# failure began.
+PEER_LOST = re.compile(
+    r"closed by peer|reset by peer|broken pipe|connection refused|connection reset|"
+    r"remote process exited|communicator was aborted|ECONNRESET|EPIPE|"
+    r"peer (?:process|rank)? ?\S* ?(?:exited|died|closed|disconnected)", re.IGNORECASE)
+
+ERROR_CHARS = 300  # of one rank's error in a sentence; the whole is in the error file
+FAULTS_SUFFIX = ".faults"  # control/agent-<attempt>.faults, beside the .exit file
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+@dataclass(frozen=True)
+class RankExit:
+    """How one rank of a failed group ended."""
+
+    rank: int                # global rank
+    exit_code: int           # negative: killed by that signal
+    error: str = ""          # its error file's "Type: text" (`@record`), "" without one
+    error_time: float | None = None  # when it wrote that file (torch keeps whole seconds)
+    seen_dead_at: float | None = None  # when the agent found it dead before ending the group
+    by_agent: bool = False   # still running when the group failed: ended by the agent
+
+    @classmethod
+    def of(cls, rank: int, failure: Any, seen_dead_at: float | None = None,
+           by_agent: bool = False) -> RankExit:
+        """From a torch elastic ProcessFailure (which read the rank's error file, if any)."""
+        has_file = os.path.isfile(str(getattr(failure, "error_file", "")))
+        return cls(rank, int(failure.exitcode), _message(failure) if has_file else "",
+                   float(failure.timestamp) if has_file else None, seen_dead_at, by_agent)
+
+    @property
+    def signal(self) -> int:
+        return -self.exit_code if self.exit_code < 0 else 0
+
+    @property
+    def lost_a_peer(self) -> bool:
+        """It failed because its connection to another rank broke (a consequence)."""
+        return self.exit_code > 0 and bool(PEER_LOST.search(self.error))
+
+    def how(self) -> str:
+        if self.signal:
+            return f"killed by {_signal_name(self.signal)} (signal {self.signal})"
+        error = self.error if len(self.error) <= ERROR_CHARS else \
+            self.error[:ERROR_CHARS] + " ..."
+        return f"exited with code {self.exit_code}" + (f": {error}" if error else "")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "exit_code": self.exit_code,
+                "signal": _signal_name(self.signal) if self.signal else "",
+                "error": self.error, "error_time": self.error_time,
+                "seen_dead_at": self.seen_dead_at, "ended_by_agent": self.by_agent}
+
+
+@dataclass(frozen=True)
+class GroupFailure:
+    """A failed group read rank by rank: the culprit (the first rank that failed on its own),
+    the ranks that failed after it and those the agent ended."""
+
+    exits: list[RankExit]
+    culprit: RankExit | None
+    own: bool  # the culprit failed on its own (False: every rank here only lost a peer)
+    after: list[RankExit] = field(default_factory=list)
+    ended: list[RankExit] = field(default_factory=list)
+
+    def sentence(self) -> str:
+        codes = {e.rank: e.exit_code for e in sorted(self.exits, key=lambda e: e.rank)}
+        parts = []
+        c = self.culprit
+        if c is not None and self.own:
+            parts.append(f"rank {c.rank} failed first: {c.how()}")
+        elif c is not None:
+            parts.append(f"no rank on this node failed on its own: rank {c.rank} lost a peer "
+                         f"first ({c.how()}); the rank that failed is on another node or its "
+                         "process left without an exit status here")
+        kinds: dict[str, list[int]] = {}
+        for e in self.after:
+            kinds.setdefault(e.how(), []).append(e.rank)
+        for how, ranks in kinds.items():
+            who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+            lost = all(e.lost_a_peer for e in self.after if e.rank in ranks)
+            parts.append(f"{who} failed after it ({how}" + (
+                ": a consequence, its collectives lost the failed rank)" if lost else ")"))
+        if self.ended:
+            ranks = [e.rank for e in self.ended]
+            parts.append((f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}") +
+                         " ended by the agent")
+        parts.append(f"exit codes by rank {codes}")
+        return "; ".join(parts)
+
+    def as_record(self, restarted: bool) -> dict[str, Any]:
+        """One line of control/agent-<attempt>.faults (read by the daemon's supervisor)."""
+        c = self.culprit
+        return {"time": time.time(), "restarted": restarted, "message": self.sentence(),
+                "rank": c.rank if c is not None else -1, "own": self.own,
+                "how": c.how() if c is not None else "",
+                "exit_code": c.exit_code if c is not None else None,
+                "signal": _signal_name(c.signal) if c is not None and c.signal else "",
+                "after": [e.rank for e in self.after], "ended": [e.rank for e in self.ended],
+                "ranks": [e.as_dict() for e in sorted(self.exits, key=lambda e: e.rank)]}
+
+
+def group_failure(exits: list[RankExit]) -> GroupFailure:
+    """Which rank the failure began with. Ranks ended by the agent are not candidates; among
+    the others, those that failed on their own (a signal, or an error that is not a lost peer)
+    before those that lost a peer; then the one found dead first, a signal before an error
+    found at the same poll (a peer raises only once the dead rank's socket closed), the error
+    file written first, the lowest rank."""
+    def key(e: RankExit) -> tuple[float, int, float, int]:
+        return (e.seen_dead_at if e.seen_dead_at is not None else math.inf,
+                0 if e.signal else 1,
+                e.error_time if e.error_time is not None else math.inf, e.rank)
+
+    own = [e for e in exits if not e.by_agent and not e.lost_a_peer]
+    lost = [e for e in exits if not e.by_agent and e.lost_a_peer]
+    pool = own or lost or [e for e in exits if e.signal != signal.SIGTERM] or list(exits)
+    culprit = min(pool, key=key) if pool else None
+    after = sorted((e for e in exits if e is not culprit and not e.by_agent),
+                   key=lambda e: e.rank)
+    ended = sorted((e for e in exits if e is not culprit and e.by_agent), key=lambda e: e.rank)
+    return GroupFailure(list(exits), culprit, bool(own), after, ended)
+
+
+class FailureLog:
+    """The agent's record of its group's failures: which workers it found dead on each poll
+    (before torch's poll ends the others), and, once the group failed, every rank's exit
+    (`GroupFailure`), appended to `path` before the group is restarted."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.last: GroupFailure | None = None
+        self._dead: dict[int, tuple[int, float]] = {}  # local rank -> (exit code, seen at)
+
+    def watch(self, pcontext: Any, worker_group: Any) -> None:
+        """Notes the workers that are already dead (before torch's poll, which ends the rest
+        once one failed)."""
+        now = time.time()
+        for local_rank, proc in _processes(pcontext).items():
+            code = _exitcode(proc)
+            if code is not None and code != 0 and local_rank not in self._dead:
+                self._dead[local_rank] = (int(code), now)
+
+    def failed(self, pcontext: Any, worker_group: Any, reported: dict[int, Any],
+               restarted: bool) -> GroupFailure:
+        from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+        exits: dict[int, RankExit] = {}
+        error_files = getattr(pcontext, "error_files", {}) or {}
+        for local_rank, proc in _processes(pcontext).items():
+            code = _exitcode(proc)
+            if code is None or code == 0:
+                continue
+            rank = int(worker_group.workers[local_rank].global_rank)
+            seen = self._dead.get(local_rank)
+            failure = ProcessFailure(local_rank=local_rank, pid=int(proc.pid or 0),
+                                     exitcode=int(code),
+                                     error_file=str(error_files.get(local_rank, "")))
+            exits[rank] = RankExit.of(rank, failure, seen[1] if seen else None,
+                                      by_agent=seen is None and int(code) < 0)
+        for rank, f in reported.items():  # torch's own report, where the processes are not
+            exits.setdefault(int(rank), RankExit.of(int(rank), f, time.time()))
+        self._dead.clear()
+        self.last = group_failure(list(exits.values()))
+        record = self.last.as_record(restarted)
+        print(f"ds3d agent: worker group failed: {record['message']}"
+              + ("; restarting it" if restarted else ""), flush=True)
+        try:
+            with open(self.path, "a") as fh:
+                fh.write(json.dumps(record, default=str) + "\n")
+        except OSError as e:  # the group restarts anyway; only the daemon's fault event is lost
+            print(f"ds3d agent: cannot record the failure in {self.path}: {e}", flush=True)
+        return self.last
+
+
+def _exitcode(proc: Any) -> int | None:
+    """A worker process's exit code without waiting (None: running, or not known)."""
+    try:
+        code = proc.exitcode
+    except (ValueError, OSError):  # a closed Process object
+        return None
+    return None if code is None else int(code)
+
+
+def _processes(pcontext: Any) -> dict[int, Any]:
+    """local rank -> multiprocessing.Process of torch elastic's MultiprocessContext (its `_pc`,
+    a torch.multiprocessing.ProcessContext); {} for another kind of context."""
+    pc = getattr(pcontext, "_pc", None)
+    procs = getattr(pc, "processes", None)
+    return dict(enumerate(procs)) if procs else {}
 
 
 def _message(failure: Any) -> str:

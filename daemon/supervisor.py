@@ -23,6 +23,7 @@ policy are objects passed in, so a new fault needs a new detector, not a change 
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -36,6 +37,7 @@ from ds3d.trainer.config import JobConfig
 from ds3d.trainer.errors import Ds3dError
 from ds3d.trainer.kinds import DoneReason, EventKind, RecordKind
 
+from .agent import FAULTS_SUFFIX
 from .backlog_upload import MAX_RETRY_S, BacklogUpload, local_backlog
 from .ckpt_index import IndexReconciler
 from .commands import Action, Command
@@ -174,6 +176,7 @@ class JobSupervisor:
         agent_exit = self.agent.poll() if self.agent is not None else None
         self.disk.tick(self.store.get_job(self.name))
         self.nodes.pull_reports(self.store.get_job(self.name))
+        self._record_group_failures(self.store.get_job(self.name))  # before the new `start`
         obs = self.tail.poll()
         job = self.store.get_job(self.name)
         agent_restart = self._count_group_restarts(job, obs)
@@ -674,6 +677,46 @@ class JobSupervisor:
         self.store.update(self.name, restarts=job.restarts + len(new))
         self.ctx.metrics.restarts.labels(self.name, cause).inc(len(new))
         return cause
+
+    def _record_group_failures(self, job: Job) -> None:
+        """One `fault` event (cause worker_exit) per worker group the agent restarted by itself,
+        naming the rank that failed first and how (killed by which signal, or its exit code and
+        error), from the lines the agent appends to control/agent-<attempt>.faults before it
+        restarts the group (daemon/agent.py FailureLog). Read before the report records, so the
+        fault is stored ahead of the restarted group's `recovery` event; the read offset is
+        committed with the events (no fault lost or doubled across a daemon restart). A failure
+        the agent did not restart from is its exit error (the agent_exit fault)."""
+        name = f"agent-{job.attempt}{FAULTS_SUFFIX}"
+        path = self.jobdir.path / "control" / name
+        offset = self.store.offsets(self.name).get(name, 0)
+        try:
+            with open(path, "rb") as fh:
+                fh.seek(offset)
+                data = fh.read()
+        except OSError:  # none yet: no group of this attempt failed
+            return
+        whole = data[:data.rfind(b"\n") + 1]
+        if not whole:
+            return
+        events = []
+        for line in whole.decode(errors="replace").splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(rec, dict) or not rec.get("restarted"):
+                continue
+            events.append({
+                "time": float(rec.get("time") or time.time()), "kind": EventKind.FAULT,
+                "cause": "worker_exit", "rank": int(rec.get("rank", -1)), "step": job.step,
+                "message": f"worker group failed after step {job.step}: "
+                           f"{rec.get('message', '')}; the agent restarts the group",
+                "detail": rec})
+        self.store.ingest(self.name, {name: offset + len(whole)}, events)
+        for ev in events:
+            self.ctx.metrics.faults.labels(self.name, "worker_exit").inc()
+            self.log.warning(EventKind.FAULT, cause="worker_exit", detail=ev["message"],
+                             step=job.step)
 
     def _note_store_wait(self, job: Job, obs: Observation) -> None:
         """Workers that have trained their last step wait for their newest checkpoint to be

@@ -194,6 +194,11 @@ def test_crashed_worker_group_is_restarted_and_matches(daemon, reference):
     assert [e["cause"] for e in rec] == ["worker_exit"], [e["message"] for e in evs]
     injected = [e for e in evs if e["kind"] == "fault" and e["cause"] == "injected_crash"]
     assert [(e["rank"], e["step"]) for e in injected] == [(2, at)]
+    # the agent's restart is a fault naming the rank that exited first, before its recovery
+    lost = [e for e in evs if e["kind"] == "fault" and e["cause"] == "worker_exit"]
+    assert [e["rank"] for e in lost] == [2], [e["message"] for e in evs]
+    assert "rank 2 failed first: exited with code 13" in lost[0]["message"], lost[0]["message"]
+    assert evs.index(lost[0]) < evs.index(rec[0])
     starts = records(run_dir, 0, "start")
     assert [s["restart"] for s in starts] == [0, 1] and 0 < starts[-1]["step"] < at
     d = assert_recovered(evs, run_dir, "worker_exit", "agent", starts[-1]["step"],
@@ -358,7 +363,11 @@ def test_crash_loop_ends_failed_after_the_restart_budget(daemon, tmp_path):
     assert "ValueError" in msg, msg
     evs = daemon.event_details("loop")
     assert len([e for e in evs if e["kind"] == "launch"]) == 3, [e["message"] for e in evs]
-    assert [e["cause"] for e in evs if e["kind"] == "fault"] == ["agent_exit"] * 3
+    # the agent's own restarts of the group, if any, are worker_exit faults naming the rank
+    assert [e["cause"] for e in evs if e["kind"] == "fault" and e["cause"] != "worker_exit"] \
+        == ["agent_exit"] * 3
+    assert all("rank 0 failed first: exited with code 1: ValueError" in e["message"]
+               for e in evs if e["kind"] == "fault" and e["cause"] == "worker_exit")
     restarts = [e["message"] for e in evs if e["kind"] == "state" and "restart " in e["message"]]
     assert restarts[:2] == ["agent_exit: restart 1 of 2 in 1 s",
                             "agent_exit: restart 2 of 2 in 2 s"], restarts

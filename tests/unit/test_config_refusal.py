@@ -70,7 +70,7 @@ def test_agent_reports_a_crash_with_the_first_workers_error(tmp_path):
                 0: _failure(tmp_path, 0, -9, None)}
     code, error = failure_result(failures)
     assert code == 1
-    assert "exit codes by rank {1: 1, 0: -9}" in error and "ValueError: odd bytes" in error
+    assert "exit codes by rank {0: -9, 1: 1}" in error and "ValueError: odd bytes" in error
     # a refusal mixed with a real crash is a crash: restarting may help the crashed rank
     mixed = {0: _failure(tmp_path, 0, EXIT_CONFIG, ConfigError("x")),
              1: _failure(tmp_path, 1, 1, ValueError("y"))}
