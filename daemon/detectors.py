@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from ds3d.trainer.exit_codes import EXIT_CONFIG
 from ds3d.trainer.kinds import EventKind, RecordKind
 from ds3d.trainer.process_age import process_age_s
+from ds3d.trainer.report import parse_segment_name, read_records, report_segments
 
 from .extension_cache import find_locks
 from .procs import job_workers
@@ -60,7 +61,16 @@ class Detector(Protocol):
 class HangDetector:
     """No report from any rank for longer than a timeout derived from the measured step time:
     `max(min_timeout_s, factor x median step time)`. The clock starts when this detector first
-    sees the job RUNNING, so a daemon restart gives the workers a full timeout again.
+    sees the job RUNNING (a launch: the group's first report turns it RUNNING).
+
+    A daemon restarted while the job runs (crash, upgrade, drain) picks up where its
+    predecessor left off, from the reports on disk (`ReportsOnDisk`, read once at the first
+    check): the silence counts from the newest report file's modification, not from this
+    daemon's start; the pids that reported make the running group one that reported (else every
+    group looked unreported after a restart and got the start-up allowance, measured from its
+    workers' start: a hang already in progress went unnoticed for up to `--start-timeout`); the
+    step times in them set the timeout. Records the restarted daemon reads in its first poll
+    were written before it started: their arrival is no sign of life (`_caught_up_at`).
 
     A worker group the elastic agent restarted on its own (a worker exited: the job stays
     RUNNING) needs start-up time before its first report (imports, rendezvous, restore): until
@@ -76,6 +86,10 @@ class HangDetector:
         self._since: float | None = None
         self._step_times: list[float] = []
         self._pids: set[int] = set()  # worker pids that sent a report
+        # set at the first check: the reports on disk are read then; liveness (obs.last_seen)
+        # stamped by a poll up to then is the catch-up of what was written before (see above)
+        self._caught_up_at: float | None = None
+        self._disk_last: float | None = None  # the newest report on disk then (monotonic)
 
     def timeout_s(self) -> float:
         if not self._step_times:
@@ -83,20 +97,32 @@ class HangDetector:
         return max(self.min_timeout_s, self.factor * statistics.median(self._step_times[-50:]))
 
     def check(self, job: Job, obs: Observation, agent_exit: int | None) -> Fault | None:
+        now = time.monotonic()
+        first = self._caught_up_at is None
+        if first:  # this daemon's first look at the job: what its predecessor saw is on disk
+            self._caught_up_at = now
+            disk = ReportsOnDisk.read(job.run_dir)
+            self._pids |= disk.pids
+            self._step_times += disk.step_times
+            if disk.newest_write is not None:
+                self._disk_last = now - max(0.0, time.time() - disk.newest_write)
         # in every state: a group can report its start, train and save before the job's
         # first RUNNING tick, and then fall silent
         self._pids.update(r["pid"] for r in obs.records if isinstance(r.get("pid"), int))
         if job.state is not JobState.RUNNING or agent_exit is not None:
             self._since = None
             return None
-        now = time.monotonic()
         if self._since is None:
-            self._since = now
+            # a group found running at the daemon's start: silent since its newest report
+            self._since = (self._disk_last if first and self._disk_last is not None
+                           else now)
         for rec in obs.kinds(RecordKind.STEP):
             t = rec.get("step_time_s")
             if isinstance(t, int | float) and t > 0:
                 self._step_times.append(float(t))
-        last = max([self._since, *obs.last_seen.values()])
+        assert self._caught_up_at is not None
+        seen = [t for t in obs.last_seen.values() if t > self._caught_up_at]
+        last = max([self._since, *seen])
         silent = now - last
         if silent <= self.timeout_s():
             return None
@@ -111,6 +137,73 @@ class HangDetector:
         self._since = now
         return Fault("hang", f"no report from any rank for {silent:.0f} s (timeout "
                      f"{self.timeout_s():.0f} s)", restart=True)
+
+
+# how much of the end of each rank's newest report segment a restarted daemon reads back: a
+# few hundred steps of rank 0's step and heartbeat records, a moment of a saving rank's
+TAIL_BYTES = 256 * 1024
+
+
+@dataclass(frozen=True)
+class ReportsOnDisk:
+    """What the workers' report files say of the running group, for a daemon that just started
+    (its predecessor read these records and kept what they said in memory only): the newest
+    write to any report file (unix seconds, a file's modification time), the pids in the newest
+    records of this node's ranks, their step times, and rank 0's newest step record."""
+
+    newest_write: float | None = None
+    pids: frozenset[int] = frozenset()
+    step_times: tuple[float, ...] = ()
+    last_step: tuple[int, float] | None = None  # rank 0's newest (step, time)
+
+    @classmethod
+    def read(cls, run_dir: str | Path, tail_bytes: int = TAIL_BYTES) -> ReportsOnDisk:
+        reports = Path(run_dir) / "reports"
+        newest: dict[tuple[Path, int], Path] = {}  # (folder, rank) -> its newest segment
+        mtimes = []
+        for folder in (reports, *sorted(reports.glob("nodes/*/"))):
+            for path in report_segments(folder):  # rank, then segment order
+                parsed = parse_segment_name(path.name)
+                assert parsed is not None
+                newest[(folder, parsed[0])] = path
+                try:
+                    mtimes.append(path.stat().st_mtime)
+                except OSError:  # deleted by the tail meanwhile
+                    continue
+        pids: set[int] = set()
+        step_times: list[float] = []
+        last_step: tuple[int, float] | None = None
+        for (folder, rank), path in sorted(newest.items()):
+            if folder != reports and rank != 0:
+                continue  # another node's worker: neither its pid nor a step record
+            for rec in _tail_records(path, tail_bytes):
+                if folder == reports and isinstance(rec.get("pid"), int):
+                    pids.add(rec["pid"])
+                if rec.get("kind") != RecordKind.STEP or rec.get("rank") != 0:
+                    continue
+                t = rec.get("step_time_s")
+                if isinstance(t, int | float) and not isinstance(t, bool) and t > 0:
+                    step_times.append(float(t))
+                at = rec.get("time")
+                if isinstance(rec.get("step"), int) and isinstance(at, int | float) and \
+                        (last_step is None or at >= last_step[1]):
+                    last_step = (rec["step"], float(at))
+        return cls(max(mtimes, default=None), frozenset(pids), tuple(step_times[-50:]),
+                   last_step)
+
+
+def _tail_records(path: Path, tail_bytes: int) -> list[dict[str, Any]]:
+    """The complete records in the last `tail_bytes` of a report segment, from the first line
+    that begins there."""
+    try:
+        with open(path, "rb") as fh:
+            start = max(0, fh.seek(0, 2) - tail_bytes)
+            if start > 0:  # inside a record, or at the start of one right after a newline
+                fh.seek(start - 1)
+                start += fh.read(tail_bytes).find(b"\n")
+    except OSError:
+        return []
+    return read_records(path, start)[0]
 
 
 def unreported_group_start(run_dir: str, reported_pids: set[int],

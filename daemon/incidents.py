@@ -93,6 +93,23 @@ class IncidentClock:
         # record of the group that restored it ("node_memory", "local", "store")
         self.restoring: tuple[int, str] | None = None
 
+    @classmethod
+    def resumed(cls, run_dir: str, step: int) -> IncidentClock:
+        """The clock of a job this daemon starts supervising, maybe after a restart of its own:
+        the newest step is rank 0's newest step record on disk (with its time), else the job's
+        stored `step` (time unknown). A fresh clock knew no step, and a fault right after a
+        daemon restart was counted as "0 step(s) trained again" whatever the workers had
+        trained."""
+        from .detectors import ReportsOnDisk
+
+        clock = cls()
+        newest = ReportsOnDisk.read(run_dir).last_step
+        if newest is not None:
+            clock.last_step, clock.last_step_time = newest
+        elif step > 0:
+            clock.last_step = step
+        return clock
+
     def fault(self, cause: str, now: float) -> None:
         """The daemon restarts the workers because of `cause`."""
         if self.open is None:

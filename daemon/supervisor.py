@@ -131,7 +131,7 @@ class JobSupervisor:
             Handler.SUPERVISE: self._supervise}
         job = self.store.get_job(name)
         self.exported = JobMetrics(ctx.metrics, name, self.analysis)
-        self.incidents = IncidentClock()
+        self.incidents = IncidentClock.resumed(job.run_dir, job.step)  # after a restart too
         # the checkpoint index against the store: now (a daemon (re)start), after trouble
         self.index = IndexReconciler(ctx.store, ctx.metrics, name)
         self.index.request("the daemon started supervising the job")
