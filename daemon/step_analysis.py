@@ -7,12 +7,22 @@ compute time (forward + backward + optimizer, no waiting). Synchronous training 
 rank's wall step time equal, so the straggler signal is compute time: the slow rank computes
 longer, the others wait for it.
 
+But the tensor-parallel all-reduces sit inside forward and backward: a slow rank's TP peers wait
+for it there, and their compute time grows by as much as its own (a probe: 0.529 s and 0.528 s
+for the slow rank and its peer, the named one a rounding accident). So each rank's own compute
+is its compute time less `tp_wait`, the time it spent inside those all-reduces (measured by the
+workers, trainer/tensor_parallel.py `TP_WAIT`): the slow rank waits least. Workers that report
+no `tp_wait` cannot tell a TP group's ranks apart; the group is then named as such, not one rank
+of it. The reference is the median of the other ranks (with four ranks, the median of all is the
+mean of a fast and a slow one when a whole TP group of two looks slow).
+
 A detector (the supervisor's `Detector` protocol) that never restarts anything: its faults are
 diagnoses (event kind `diagnosis`), each kind raised once per cooldown.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from typing import Any
@@ -41,10 +51,13 @@ class StepAnalysis:
         self._raised: dict[tuple[str, int], float] = {}  # (kind, -1) -> monotonic time
         self._pending: list[Fault] = []
         self._exported: set[int] = set()  # ranks with a ds3d_rank_step_seconds series
+        self._tp: tuple[str, int] | None = None  # (the job's config text, its parallel.tp)
 
     # -- Detector ---------------------------------------------------------------------------
 
     def check(self, job: Job, obs: Observation, agent_exit: int | None) -> Fault | None:
+        if job is not None:
+            self._note_tp(job)
         if obs.kinds(RecordKind.START):
             self.splits.clear()  # a new group: ranks may have other roles now
         fresh = False
@@ -85,25 +98,89 @@ class StepAnalysis:
                 "reduce_bucket_size) with overlap_comm, or fewer DP ranks per node link"),
                 {"reduce_to_forward": ratio})
 
+    def _note_tp(self, job: Job) -> None:
+        text = getattr(job, "config_json", "")
+        if self._tp is None or self._tp[0] != text:
+            try:
+                tp = int(json.loads(text)["parallel"]["tp"])
+            except (ValueError, TypeError, KeyError):
+                tp = 1
+            self._tp = (text, max(1, tp))
+
+    @property
+    def tp(self) -> int:
+        """The job's tensor-parallel size (1 when not known)."""
+        return self._tp[1] if self._tp is not None else 1
+
+    def tp_group(self, rank: int) -> list[int]:
+        """The ranks of `rank`'s TP group: DeepSpeed's topology orders ranks tensor-parallel
+        fastest (trainer/layout.py), so a group is `tp` consecutive ranks."""
+        first = rank - rank % self.tp
+        return [r for r in range(first, first + self.tp) if r in self.splits]
+
+    def own_compute(self) -> dict[int, float]:
+        """Each rank's compute time less its time inside the TP all-reduces (`tp_wait`), where
+        every rank reports it; else compute time as it is."""
+        compute = {r: float(s["compute_s"]) for r, s in self.splits.items()}
+        waits = {r: s.get("tp_wait") for r, s in self.splits.items()}
+        if all(isinstance(w, int | float) for w in waits.values()):
+            return {r: max(0.0, c - float(waits[r] or 0.0)) for r, c in compute.items()}
+        return compute
+
     def _straggler(self) -> None:
         if len(self.splits) < 2:
             return
         compute = {r: float(s["compute_s"]) for r, s in self.splits.items()}
-        median = statistics.median(compute.values())
-        rank, worst = max(compute.items(), key=lambda kv: kv[1])
-        slow = sorted(r for r, c in compute.items()
+        own = self.own_compute()
+        measured = all(isinstance(x.get("tp_wait"), int | float) for x in self.splits.values())
+        rank, worst = max(own.items(), key=lambda kv: (kv[1], -kv[0]))
+        median = statistics.median(c for r, c in own.items() if r != rank)
+        slow = sorted(r for r, c in own.items()
                       if c > self.factor * median and c - median > self.min_gap_s)
-        if slow:
-            s = self.splits[rank]
-            where = f"stage {s['stage']}" + (f" on node {s['node']}" if s.get("node") else "")
-            also = f"; also slow: ranks {[r for r in slow if r != rank]} (a tensor-parallel " \
-                "peer waits for it inside forward/backward)" if len(slow) > 1 else ""
-            self._raise("straggler", rank, s.get("step"), (
-                f"straggler: rank {rank} ({where}) computes {worst / median:.1f}x longer per "
-                f"step than the median rank ({worst:.3f} s vs {median:.3f} s; the others wait "
-                f"for it){also}: check that device and host (clocks, thermal throttling, ECC "
-                "errors, other processes), and drain the node if it stays slow"),
-                {"compute_s": compute, "median_s": median, "slow_ranks": slow})
+        if not slow:
+            return
+        s = self.splits[rank]
+        where = f"stage {s['stage']}" + (f" on node {s['node']}" if s.get("node") else "")
+        fix = ("check that device and host (clocks, thermal throttling, ECC errors, other "
+               "processes), and drain the node if it stays slow")
+        detail: dict[str, Any] = {"compute_s": compute, "own_compute_s": own,
+                                  "median_s": median, "slow_ranks": slow,
+                                  "tp_wait_measured": measured}
+        if measured:
+            detail["tp_wait_s"] = {r: float(x.get("tp_wait") or 0.0)
+                                   for r, x in self.splits.items()}
+        group = self.tp_group(rank)
+        if not measured and len(group) > 1 and set(group) <= set(slow):
+            # its TP peers wait for it inside forward/backward: compute time cannot say which
+            others = [r for r in slow if r not in group]
+            names = ", ".join(str(r) for r in group[:-1]) + f" and {group[-1]}"
+            self._raise("straggler", -1, s.get("step"), (
+                f"straggler: ranks {names} (one tensor-parallel group, {where}) compute "
+                f"{worst / median:.1f}x longer per step than the median of the other ranks "
+                f"({', '.join(f'{compute[r]:.3f}' for r in group)} s vs {median:.3f} s; the "
+                "others wait for them): one of them is slow and its tensor-parallel peers wait "
+                "for it inside their all-reduces, which compute time alone cannot tell apart "
+                "(these workers report no time in TP all-reduces, tp_wait)"
+                + (f"; also slow: ranks {others}" if others else "")
+                + f": {fix.replace('that device and host', 'those devices and hosts')}"),
+                {**detail, "tp_group": group})
+            return
+        peers = [r for r in group if r != rank]
+        waits = detail.get("tp_wait_s", {})
+        peer_note = (f"; its tensor-parallel peer{'s' if len(peers) > 1 else ''} "
+                     f"{', '.join(f'rank {r}' for r in peers)} wait"
+                     f"{'' if len(peers) > 1 else 's'} for it inside the all-reduces ("
+                     + ", ".join(f"{waits[r]:.3f} s" for r in peers) + f" vs its "
+                     f"{waits[rank]:.3f} s)" if measured and peers else "")
+        also = [r for r in slow if r != rank]
+        self._raise("straggler", rank, s.get("step"), (
+            f"straggler: rank {rank} ({where}) computes {worst / median:.1f}x longer per "
+            f"step than the median rank ({worst:.3f} s vs {median:.3f} s"
+            + (", time inside tensor-parallel all-reduces left out" if measured and peers
+               else "")
+            + f"; the others wait for it){peer_note}"
+            + (f"; also slow: ranks {also}" if also else "") + f": {fix}"),
+            detail)
 
     def _raise(self, kind: str, rank: int, step: int | None, message: str,
                detail: dict[str, Any]) -> None:
@@ -152,8 +229,8 @@ class StepAnalysis:
         for rank in self._exported - set(self.splits):  # ranks of a group that is gone
             metrics.rank_step_seconds.remove(job, str(rank))
         self._exported = set(self.splits)
-        for rank, s in self.splits.items():
-            metrics.rank_step_seconds.labels(job, str(rank)).set(s["compute_s"])
+        for rank, own in self.own_compute().items():  # not waiting on other ranks (metrics.md)
+            metrics.rank_step_seconds.labels(job, str(rank)).set(own)
         for row in self.per_stage():
             for part in SPLIT_PARTS:
                 metrics.step_split.labels(job, str(row["stage"]), part).set(row[part])

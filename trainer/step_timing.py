@@ -8,6 +8,10 @@ parts are DeepSpeed's schedule instructions (its `_INSTRUCTION_MAP`, wrapped per
 instance); for the non-pipelined engine (PP = 1, ZeRO-2/3) forward, backward and optimizer
 step, where the gradient reduction overlaps the backward pass and is counted in it.
 
+Beside the parts, `tp_wait`: the seconds spent inside the tensor-parallel all-reduces (part of
+forward and backward; trainer/tensor_parallel.py `TP_WAIT`). A slow rank's TP peers wait for it
+there, so their compute time grows as much as its own; compute minus `tp_wait` is its own.
+
 From the parts: the stage's busy time (forward + backward), the pipeline phase of the step
 (step - optimizer - reduction - data), the measured bubble 1 - busy / phase (time a stage is
 idle or waiting on its neighbours), beside the theoretical (p - 1) / (m + p - 1) of the 1F1B
@@ -22,6 +26,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+
+from .tensor_parallel import TP_WAIT
 
 PARTS = ("forward", "backward", "optimizer", "p2p_wait", "dp_reduce", "data")
 _INSTRUCTION_PARTS = {
@@ -56,6 +62,7 @@ class StepTimer:
         if self.active:
             self._sync()
             self.parts = dict.fromkeys(PARTS, 0.0)
+            TP_WAIT.start()
 
     @contextmanager
     def part(self, name: str) -> Iterator[None]:
@@ -73,12 +80,14 @@ class StepTimer:
         if not self.active:
             return None
         self.active = False
+        tp_wait = TP_WAIT.stop()
         p = self.parts
         busy = p["forward"] + p["backward"]
         phase = step_seconds - p["optimizer"] - p["dp_reduce"] - p["data"]
         out: dict[str, Any] = {k: round(v, 6) for k, v in p.items()}
         out["step_s"] = round(step_seconds, 6)
         out["compute_s"] = round(busy + p["optimizer"], 6)
+        out["tp_wait"] = round(tp_wait, 6)
         if stages > 1 and phase > 0:
             out["bubble"] = round(max(0.0, 1.0 - busy / phase), 4)
             out["bubble_theoretical"] = round(theoretical_bubble(stages, micro_batches), 4)

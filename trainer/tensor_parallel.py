@@ -17,6 +17,8 @@ Weights are initialised from the full, unsharded tensor drawn from a generator s
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -38,6 +40,42 @@ class TPGroup:
 # --- communication as autograd functions ----------------------------------------------------
 
 
+class CollectiveClock:
+    """Seconds this rank spends inside its TP all-reduces while on (a step that
+    trainer/step_timing.py samples): its waits for its TP peers. The peers of a slow rank wait
+    for it in every all-reduce, so their compute time grows as much as its own; this is what
+    tells the slow one apart (it waits least). On a GPU the device is synchronised around each
+    all-reduce while on, so that the time is the collective's, not the kernels queued before."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.seconds = 0.0
+
+    def start(self) -> None:
+        self.on, self.seconds = True, 0.0
+
+    def stop(self) -> float:
+        self.on = False
+        return self.seconds
+
+
+TP_WAIT = CollectiveClock()
+
+
+def _all_reduce(x: torch.Tensor, tp: TPGroup, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+                ) -> None:
+    if not TP_WAIT.on:
+        dist.all_reduce(x, op=op, group=tp.group)
+        return
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)
+    t0 = time.perf_counter()
+    dist.all_reduce(x, op=op, group=tp.group)
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)
+    TP_WAIT.seconds += time.perf_counter() - t0
+
+
 class _CopyToTP(torch.autograd.Function):
     """Identity forward; all-reduce of the input gradient backward (enters a column-parallel op)."""
 
@@ -50,7 +88,7 @@ class _CopyToTP(torch.autograd.Function):
     def backward(ctx, grad):  # type: ignore[override]
         if ctx.tp.size > 1:
             grad = grad.contiguous()
-            dist.all_reduce(grad, group=ctx.tp.group)
+            _all_reduce(grad, ctx.tp)
         return grad, None
 
 
@@ -61,7 +99,7 @@ class _ReduceFromTP(torch.autograd.Function):
     def forward(ctx, x, tp):  # type: ignore[override]
         if tp.size > 1:
             x = x.contiguous()
-            dist.all_reduce(x, group=tp.group)
+            _all_reduce(x, tp)
         return x
 
     @staticmethod
@@ -175,7 +213,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         logits = logits.float()
         local_max = logits.max(dim=-1).values
         if tp.size > 1:
-            dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=tp.group)
+            _all_reduce(local_max, tp, op=dist.ReduceOp.MAX)
         shifted = logits - local_max.unsqueeze(-1)
         per_rank = logits.shape[-1]
         start = tp.rank * per_rank
@@ -187,7 +225,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         sum_exp = exp.sum(dim=-1)
         if tp.size > 1:
             stacked = torch.stack([target_logit, sum_exp])
-            dist.all_reduce(stacked, group=tp.group)
+            _all_reduce(stacked, tp)
             target_logit, sum_exp = stacked[0], stacked[1]
         loss = sum_exp.log() - target_logit  # [batch, seq]
         softmax = exp.div_(sum_exp.unsqueeze(-1))

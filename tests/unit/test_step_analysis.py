@@ -93,3 +93,66 @@ def test_split_arithmetic_of_a_sampled_step():
     assert out["reduce_to_forward"] == 0.25
     t.begin(3)
     assert t.end(1.0, 2, 4) is None  # not sampled: nothing measured
+
+
+def tp_job(tp):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(config_json=f'{{"parallel": {{"tp": {tp}, "pp": 2}}}}')
+
+
+def probe_split(slow_rank, tp_wait=True):
+    """The probe's numbers (tiny, TP 2 x PP 2): the slow rank and its TP peer both compute
+    ~0.53 s, the peer a little more (it waits ~0.215 s inside its all-reduces), stage 0
+    ~0.31 s."""
+    compute = {0: 0.3100, 1: 0.3120, slow_rank: 0.5276, 5 - slow_rank: 0.5290}
+    waits = {0: 0.004, 1: 0.005, 2: 0.003, 3: 0.003}
+    waits[5 - slow_rank] = 0.2150  # the peer of 2 is 3 and of 3 is 2
+    return [beat(r, compute[r], stage=r // 2, **({"tp_wait": waits[r]} if tp_wait else {}))
+            for r in range(4)]
+
+
+def test_the_slow_rank_of_a_tp_group_is_the_one_that_waits_least_in_its_all_reduces():
+    """Probe of 12-06: `inject slow --rank 2` named rank 3, `--rank 3` named rank 2 (compute
+    0.529 vs 0.5276 s: its TP peer waits for it inside forward). With each rank's time inside
+    the TP all-reduces the slow one is named, whichever it is, alone."""
+    for slow_rank in (2, 3):
+        a = StepAnalysis()
+        [f] = drain_job(a, tp_job(2), obs(*probe_split(slow_rank)))
+        assert f.cause == "straggler" and f.rank == slow_rank, f.message
+        assert f.detail["slow_ranks"] == [slow_rank], f.message
+        peer = 5 - slow_rank
+        assert f"straggler: rank {slow_rank} (stage 1 on node n1)" in f.message
+        assert f"its tensor-parallel peer rank {peer} waits for it inside the all-reduces " \
+               f"(0.215 s vs its 0.003 s)" in f.message, f.message
+        assert "also slow" not in f.message
+        # against the other ranks' own compute, not the mean of a fast and a slow one
+        assert abs(f.detail["median_s"] - 0.307) < 1e-6, f.detail  # of 0.306, 0.307, 0.314
+
+
+def test_without_tp_wait_the_tp_group_is_named_not_one_rank_of_it():
+    """Workers that report no time in TP all-reduces: compute time cannot tell the slow rank
+    from its TP peer; the diagnosis names the group honestly instead of a rounding accident."""
+    a = StepAnalysis()
+    [f] = drain_job(a, tp_job(2), obs(*probe_split(2, tp_wait=False)))
+    assert f.cause == "straggler" and f.rank == -1 and f.detail["tp_group"] == [2, 3]
+    assert f.message.startswith("straggler: ranks 2 and 3 (one tensor-parallel group, stage 1 "
+                                "on node n1) compute 1.7x longer"), f.message
+    assert "cannot tell apart" in f.message and "0.528, 0.529 s vs 0.312 s" in f.message
+
+
+def test_the_per_rank_series_is_own_compute_without_tp_waits():
+    m, a = Metrics(), StepAnalysis()
+    a.check(tp_job(2), obs(*probe_split(2)), None)
+    a.export(m, "j")
+    text = generate_latest(m.registry).decode()
+    assert 'ds3d_rank_step_seconds{job="j",rank="2"} 0.5246' in text
+    assert 'ds3d_rank_step_seconds{job="j",rank="3"} 0.314' in text, text
+
+
+def drain_job(analysis, job, o):
+    out, f = [], analysis.check(job, o, None)
+    while f is not None:
+        out.append(f)
+        f = analysis.check(job, obs(), None)
+    return out
