@@ -87,7 +87,8 @@ class StepTimer:
         out: dict[str, Any] = {k: round(v, 6) for k, v in p.items()}
         out["step_s"] = round(step_seconds, 6)
         out["compute_s"] = round(busy + p["optimizer"], 6)
-        out["tp_wait"] = round(tp_wait, 6)
+        if tp_wait is not None:  # TP all-reduces timed (none at TP = 1 or when compiled)
+            out["tp_wait"] = round(tp_wait, 6)
         if stages > 1 and phase > 0:
             out["bubble"] = round(max(0.0, 1.0 - busy / phase), 4)
             out["bubble_theoretical"] = round(theoretical_bubble(stages, micro_batches), 4)

@@ -50,13 +50,16 @@ class CollectiveClock:
     def __init__(self) -> None:
         self.on = False
         self.seconds = 0.0
+        self.count = 0
 
     def start(self) -> None:
-        self.on, self.seconds = True, 0.0
+        self.on, self.seconds, self.count = True, 0.0, 0
 
-    def stop(self) -> float:
+    def stop(self) -> float | None:
+        """The seconds, or None when no all-reduce was timed (TP = 1, or a compiled model,
+        whose collectives run inside the graph): then nothing was measured, not 0 s."""
         self.on = False
-        return self.seconds
+        return self.seconds if self.count else None
 
 
 TP_WAIT = CollectiveClock()
@@ -64,7 +67,9 @@ TP_WAIT = CollectiveClock()
 
 def _all_reduce(x: torch.Tensor, tp: TPGroup, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
                 ) -> None:
-    if not TP_WAIT.on:
+    # is_compiling first: torch.compile traces the plain call and installs no guard on the
+    # clock (a guard would recompile the graph at every sampled step)
+    if torch.compiler.is_compiling() or not TP_WAIT.on:
         dist.all_reduce(x, op=op, group=tp.group)
         return
     if x.is_cuda:
@@ -74,6 +79,7 @@ def _all_reduce(x: torch.Tensor, tp: TPGroup, op: dist.ReduceOp.RedOpType = dist
     if x.is_cuda:
         torch.cuda.synchronize(x.device)
     TP_WAIT.seconds += time.perf_counter() - t0
+    TP_WAIT.count += 1
 
 
 class _CopyToTP(torch.autograd.Function):

@@ -55,3 +55,13 @@ def test_the_fast_rank_waits_for_the_slow_one_inside_the_tp_all_reduce():
     assert got[(0, 2)] >= SLOW_S * 0.8, got  # the fast rank waited for the slow one
     assert got[(1, 2)] < SLOW_S * 0.5, got   # the slow one found its peer waiting
     assert got[(0, 3)] >= SLOW_S * 0.8 and got[(1, 3)] < SLOW_S * 0.5, got
+
+
+def test_nothing_timed_is_reported_as_not_measured():
+    """TP = 1, or a compiled model (its collectives run inside the graph, untimed): `tp_wait`
+    is left out of the split, so the straggler analysis does not read 0 s as 'waits for no
+    one'."""
+    from ds3d.trainer.tensor_parallel import TP_WAIT
+
+    TP_WAIT.start()
+    assert TP_WAIT.stop() is None
