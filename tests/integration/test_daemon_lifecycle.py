@@ -130,8 +130,11 @@ def test_agent_killed_while_daemon_down_is_restarted(daemon):
     daemon.start()
     daemon.wait_for("orphan", lambda j: j["restarts"] == restarts_before + 1
                           and j["state"] == "RUNNING", "relaunch from the checkpoint")
-    causes = [e["cause"] for e in daemon.events("orphan") if e["kind"] == "fault"]
-    assert causes == ["agent_exit"]
+    faults = [e for e in daemon.events("orphan") if e["kind"] == "fault"]
+    # the stand-in's crash at step 3 (restarted by the agent: a worker_exit fault naming it),
+    # then the agent killed while the daemon was down
+    assert [e["cause"] for e in faults] == ["worker_exit", "agent_exit"], faults
+    assert "rank 0 failed first: exited with code 3" in faults[0]["message"], faults[0]
     worker_pids = {e["pid"] for e in _records(daemon, "orphan") if e["kind"] == "start"}
     assert len([p for p in worker_pids if psutil.pid_exists(p)]) == 1, "stray workers ended"
     assert daemon.ctl("stop", "orphan", "--now").returncode == 0
