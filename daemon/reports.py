@@ -128,7 +128,7 @@ def record_to_event(rec: dict[str, Any]) -> dict[str, Any] | None:
         ev["message"] = (f"command {rec.get('id')} {rec.get('action')} "
                          f"{rec.get('status', '')}")
     elif kind == RecordKind.PROFILE:  # trainer/layer_profile.py: one stage's measured layers
-        layers = rec.get("layers") if isinstance(rec.get("layers"), list) else []
+        layers = rec["layers"] if isinstance(rec.get("layers"), list) else []
         ev["message"] = (f"layer profile of stage {rec.get('stage')} (rank {ev['rank']}): "
                          f"{len(layers)} layer(s) over {rec.get('steps_sampled')} step(s) at "
                          f"step {ev['step']}, partition {rec.get('partition')} (ds3dctl "
@@ -293,7 +293,8 @@ class ReportTail:
                      phase in PROBLEM_PHASES else ""}]
         # steps deleted by the workers: retention, a rollback's abandoned timeline, a fault
         # recovery's checkpoints of suspect steps (listed as committed, then "missing", before)
-        deleted, why = [], ""
+        deleted: Any = []
+        why = ""
         if rec.get("kind") == RecordKind.CHECKPOINT and rec.get("phase") == "retention":
             deleted, why = rec.get("deleted") or [], f"by retention after step {rec.get('step')}"
         elif rec.get("kind") == RecordKind.CHECKPOINT and rec.get("phase") == "rolled_back":
