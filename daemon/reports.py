@@ -12,7 +12,8 @@ without a file: harmless). A restarted daemon resumes every remaining segment fr
 offset; a segment it has no row for is read from its start.
 
 Heartbeats are not stored (one per rank per step would dwarf everything else); their times are
-kept in memory for the hang detector, which restarts its clock after a daemon restart. Of the
+kept in memory for the hang detector (a restarted daemon's detector reads the newest report
+files' times and pids from disk once: detectors.ReportsOnDisk). Of the
 memory-only snapshots (`held_in_memory`, possibly one every few steps for weeks) only the first
 of each worker group is an event, which says they are being taken and what one blocks; each one
 sets the job's `memory_snapshot_step` (`ds3dctl status`). A restarted daemon stores the next one

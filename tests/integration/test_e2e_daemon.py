@@ -203,7 +203,9 @@ def test_daemon_sigkill_mid_training_job_still_completes_with_full_history(daemo
     assert "exported step 30" in r.stdout
     assert (out / "model.safetensors").stat().st_size > 0
     assert json.loads((out / "config.json").read_text())["source_layout"]["tp"] == 2
-    r = daemon.ctl("export", name, "--step", "7", "--out", str(out))
+    r = daemon.ctl("export", name, "--step", "7", "--out", str(out))  # holds the first export
+    assert r.returncode == 2 and "is not empty" in r.stderr, r.stderr
+    r = daemon.ctl("export", name, "--step", "7", "--out", str(out.parent / "export-7"))
     assert r.returncode == 2 and "no complete, verified checkpoint of step 7" in r.stderr
 
 
