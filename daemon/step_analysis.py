@@ -135,6 +135,8 @@ class StepAnalysis:
         measured = all(isinstance(x.get("tp_wait"), int | float) for x in self.splits.values())
         rank, worst = max(own.items(), key=lambda kv: (kv[1], -kv[0]))
         median = statistics.median(c for r, c in own.items() if r != rank)
+        if median <= 0:  # nothing measured to compare with (every other rank's time all waits)
+            return
         slow = sorted(r for r, c in own.items()
                       if c > self.factor * median and c - median > self.min_gap_s)
         if not slow:

@@ -47,6 +47,14 @@ def test_equal_ranks_and_small_gaps_are_not_stragglers():
     assert drain(b, obs(beat(0, 0.02), beat(1, 0.02), beat(2, 0.04))) == []
 
 
+def test_nothing_to_compare_with_is_no_diagnosis_and_no_error():
+    """Every other rank's compute all spent waiting in TP all-reduces (own compute 0): the
+    ratio to their median had no meaning (a ZeroDivisionError in the supervisor's tick)."""
+    a = StepAnalysis()
+    beats = [beat(0, 0.5, tp_wait=0.0), beat(1, 0.4, tp_wait=0.45), beat(2, 0.4, tp_wait=0.4)]
+    assert drain(a, obs(*beats)) == []
+
+
 def test_bubble_diagnosis_says_which_fix_applies():
     a = StepAnalysis()
     many_micro = drain(a, obs(beat(0, 1, bubble=0.30, bubble_theoretical=0.05),
