@@ -702,13 +702,14 @@ class JobSupervisor:
         for line in whole.decode(errors="replace").splitlines():
             try:
                 rec = json.loads(line)
-            except ValueError:
-                continue
-            if not isinstance(rec, dict) or not rec.get("restarted"):
+                if not isinstance(rec, dict) or not rec.get("restarted"):
+                    continue
+                at, rank = float(rec.get("time") or time.time()), int(rec.get("rank", -1))
+            except (ValueError, TypeError):  # a damaged line: passed over, never every tick
                 continue
             events.append({
-                "time": float(rec.get("time") or time.time()), "kind": EventKind.FAULT,
-                "cause": "worker_exit", "rank": int(rec.get("rank", -1)), "step": job.step,
+                "time": at, "kind": EventKind.FAULT,
+                "cause": "worker_exit", "rank": rank, "step": job.step,
                 "message": f"worker group failed after step {job.step}: "
                            f"{rec.get('message', '')}; the agent restarts the group",
                 "detail": rec})

@@ -184,3 +184,7 @@ def test_an_agent_restart_is_a_fault_event_before_its_recovery_event(tmp_path):
         fh.write(json.dumps(killed.as_record(restarted=False)) + "\n")
     JobSupervisor._record_group_failures(sup, store.get_job("j"))
     assert len([e for e in store.events(job="j") if e.kind == "fault"]) == 1
+    with faults.open("a") as fh:  # a damaged line is passed over, not an error in every tick
+        fh.write(json.dumps({**killed.as_record(restarted=True), "rank": "two"}) + "\n")
+    JobSupervisor._record_group_failures(sup, store.get_job("j"))
+    assert len([e for e in store.events(job="j") if e.kind == "fault"]) == 1
