@@ -32,12 +32,17 @@ from .launcher import WORKER_MODULE
 from .logging import configure, get_logger
 
 
+def _number(text: str) -> float:
+    """The flag's value as a float, NaN when it is none (every range check then fails)."""
+    try:
+        return float(text)
+    except ValueError:
+        return float("nan")
+
+
 def _seconds(text: str) -> float:
     """A duration flag: a finite number of seconds above 0 (argparse then exits 2 with it)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
+    value = _number(text)
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0")
     return value
@@ -45,10 +50,7 @@ def _seconds(text: str) -> float:
 
 def _seconds_or_zero(text: str) -> float:
     """A duration flag where 0 has a meaning of its own (--drain-timeout 0: do not wait)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
+    value = _number(text)
     if not 0 <= value < float("inf"):
         raise argparse.ArgumentTypeError(f"{text!r} is not 0 or a number of seconds above 0")
     return value

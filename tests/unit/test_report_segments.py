@@ -5,7 +5,9 @@ daemon away while many segments pile up, two writers of one rank, a torn last li
 copies a multi-node job's head pulls from another node over gRPC."""
 
 import json
+from collections.abc import Iterator
 from concurrent import futures
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -210,10 +212,10 @@ def test_a_share_hands_out_segments_in_order_and_drops_what_the_head_dropped(tmp
     rep.close()
 
 
-def test_a_heads_copies_of_another_nodes_segments_stay_bounded(tmp_path):
-    """The head pulls a share's segments over gRPC (JobNodes.pull_reports -> PullReports ->
-    Shares.pull), tails its copies and drops them; the share drops what the head dropped;
-    every record is stored once."""
+@contextmanager
+def _share_and_head(tmp_path: Path) -> Iterator[tuple[str, JobDir, Store, JobDir, JobNodes]]:
+    """A share node of job "mn" served over real gRPC, and its head's store, job folder and
+    JobNodes (what pulls the share's reports): (address, share dir, store, head dir, nodes)."""
     share_root = tmp_path / "shares"
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     shares = Shares(share_root, Launcher())
@@ -230,6 +232,17 @@ def test_a_heads_copies_of_another_nodes_segments_stay_bounded(tmp_path):
         store, head_dir = _job(tmp_path / "head", "mn")
         nodes = JobNodes("mn", head_dir, store, Metrics(), PeerClient(None, None),
                          "127.0.0.1:7000", 60.0, lambda job: cfg)
+        yield address, share_dir, store, head_dir, nodes
+        store.close()
+    finally:
+        server.stop(0)
+
+
+def test_a_heads_copies_of_another_nodes_segments_stay_bounded(tmp_path):
+    """The head pulls a share's segments over gRPC (JobNodes.pull_reports -> PullReports ->
+    Shares.pull), tails its copies and drops them; the share drops what the head dropped;
+    every record is stored once."""
+    with _share_and_head(tmp_path) as (address, share_dir, store, head_dir, nodes):
         tail = ReportTail(store, head_dir)
         rep = Reporter(share_dir.path, 1, 0, segment_bytes=SEGMENT)
         mirror = head_dir.reports / "nodes" / address.replace(":", "_")
@@ -243,9 +256,6 @@ def test_a_heads_copies_of_another_nodes_segments_stay_bounded(tmp_path):
         assert _stored_steps(store, "mn") == list(range(1, 301))
         assert _segments(share_dir.reports, 1) == _segments(mirror, 1)
         rep.close()
-        store.close()
-    finally:
-        server.stop(0)
 
 
 def test_a_backlog_of_reports_over_four_mib_reaches_the_head(tmp_path):
@@ -253,22 +263,7 @@ def test_a_backlog_of_reports_over_four_mib_reaches_the_head(tmp_path):
     answer stays under the 4 MiB a gRPC client receives by default, so every record arrives.
     A 4 MiB budget of report bytes made an answer of 4 MiB plus the chunks' framing, refused
     by the head on every pull: that node's reports never arrived again."""
-    share_root = tmp_path / "shares"
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    shares = Shares(share_root, Launcher())
-    pb_grpc.add_ControlServicer_to_server(ControlServicer(None, shares, "b"), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        address = f"127.0.0.1:{port}"
-        cfg = build_job_config("tiny", [f'launch.hosts=["127.0.0.1:7000", "{address}"]',
-                                        "launch.nnodes=2", "parallel.dp=2",
-                                        'checkpoint.store="file:///tmp/x"'], name="mn")
-        share_dir = JobDir(share_root, "mn")
-        share_dir.create(cfg.dump_json())
-        store, head_dir = _job(tmp_path / "head", "mn")
-        nodes = JobNodes("mn", head_dir, store, Metrics(), PeerClient(None, None),
-                         "127.0.0.1:7000", 60.0, lambda job: cfg)
+    with _share_and_head(tmp_path) as (address, share_dir, store, head_dir, nodes):
         for rank in range(1, 8):
             rep = Reporter(share_dir.path, rank, 0)
             _steps(rep, 1, 5000)
@@ -282,9 +277,6 @@ def test_a_backlog_of_reports_over_four_mib_reaches_the_head(tmp_path):
         for rank in range(1, 8):
             steps = [r["step"] for p in report_segments(mirror, rank) for r in read_records(p)[0]]
             assert steps == list(range(1, 5001))
-        store.close()
-    finally:
-        server.stop(0)
 
 
 @pytest.mark.parametrize("bad", [
