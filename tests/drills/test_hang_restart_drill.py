@@ -24,6 +24,7 @@ import re
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -92,6 +93,31 @@ def assert_names_stopped_rank(hang: dict, pid: int) -> None:
     assert "0" in detail["stacks"], detail  # rank 0 answered: waiting in the all-reduce
 
 
+def paused_without_workers(d: DaemonProc, pid: int, interrupt: Callable[[], float]) -> dict:
+    """With rank 1 stopped as `pid`: `interrupt` leaves a pause pending and ds3dd restarted
+    (returns when it answers, unix time); the restarted ds3dd must carry the pause out without
+    the hung workers within the hang timeout of the stop (or of its start) and the slack. The
+    rank is continued whatever happens. Returns the PAUSED job."""
+    stopped_at = time.time()
+    try:
+        up_at = interrupt()
+        job = d.job("frozen")
+        assert job["state"] == "RUNNING" and job["desired_state"] == "PAUSED", job
+        job = d.wait_state("frozen", "PAUSED", "FAILED", "RECOVERING",
+                           timeout_s=HANG_TIMEOUT_S + 120)
+        paused_at = time.time()
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    assert job["state"] == "PAUSED", job
+    assert "paused on request without the workers' final checkpoint" in job["message"], job
+    assert paused_at <= max(stopped_at + timeout_of(job), up_at) + SLACK_S + 5, \
+        (paused_at - stopped_at, up_at - stopped_at, job["message"])
+    return job
+
+
 @pytest.mark.timeout(1200)
 def test_a_hang_across_a_daemon_crash_is_detected_and_a_pending_pause_completes(tmp_path):
     with DaemonProc(tmp_path / "state", node="drill-node",
@@ -153,25 +179,14 @@ def test_a_hang_across_a_daemon_crash_is_detected_and_a_pending_pause_completes(
         # the restarted daemon ends it without them once the hang is seen
         wait_reported_step(run_dir, last_step + 5, timeout_s=300)
         pid = stop_rank(run_dir, 1)
-        stopped_at = time.time()
-        try:
+
+        def pause_then_crash() -> float:
             r = d.ctl("pause", "frozen")
             assert r.returncode == 0, r.stderr
-            up_at = crash_and_restart(d)
-            job = d.job("frozen")
-            assert job["state"] == "RUNNING" and job["desired_state"] == "PAUSED", job
-            job = d.wait_state("frozen", "PAUSED", "FAILED", "RECOVERING",
-                               timeout_s=HANG_TIMEOUT_S + 120)
-            paused_at = time.time()
-        finally:
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-        assert job["state"] == "PAUSED" and job["restarts"] == 1, job
-        assert "paused on request without the workers' final checkpoint" in job["message"], job
-        assert paused_at <= max(stopped_at + timeout_of(job), up_at) + SLACK_S + 5, \
-            (paused_at - stopped_at, up_at - stopped_at, job["message"])
+            return crash_and_restart(d)
+
+        job = paused_without_workers(d, pid, pause_then_crash)
+        assert job["restarts"] == 1, job
         second = hang_faults(d, "frozen")[-1]
         assert second["seq"] != hang["seq"]
         assert_names_stopped_rank(second, pid)
@@ -183,26 +198,14 @@ def test_a_hang_across_a_daemon_crash_is_detected_and_a_pending_pause_completes(
         d.wait_for("frozen", lambda j: j["state"] == "RUNNING", "resumed", timeout_s=300)
         wait_reported_step(run_dir, job["step"] + 3, timeout_s=300)
         pid = stop_rank(run_dir, 1)
-        stopped_at = time.time()
-        try:
+
+        def drain_then_start() -> float:
             assert d.proc is not None
             d.proc.terminate()
             d.proc.wait(DRAIN_TIMEOUT_S + 30)
             assert stacks.local_workers(run_dir), "the drain gave up: the workers still run"
             d.start()
-            up_at = time.time()
-            job = d.job("frozen")
-            assert job["state"] == "RUNNING" and job["desired_state"] == "PAUSED", job
-            job = d.wait_state("frozen", "PAUSED", "FAILED", "RECOVERING",
-                               timeout_s=HANG_TIMEOUT_S + 120)
-            paused_at = time.time()
-        finally:
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-        assert job["state"] == "PAUSED", job
-        assert "paused on request without the workers' final checkpoint" in job["message"], job
-        assert paused_at <= max(stopped_at + timeout_of(job), up_at) + SLACK_S + 5, \
-            (paused_at - stopped_at, up_at - stopped_at, job["message"])
+            return time.time()
+
+        paused_without_workers(d, pid, drain_then_start)
         assert_names_stopped_rank(hang_faults(d, "frozen")[-1], pid)
