@@ -299,8 +299,9 @@ class Trainer:
         flags = torch.tensor([cid, action, int(bad), int(spike), int(due), int(applied),
                               int(hold)], dtype=torch.long, device=self.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return (int(flags[0]), int(flags[1]), bool(flags[2]), bool(flags[3]), bool(flags[4]),
-                bool(flags[5]), bool(flags[6]))
+        # one device-to-host copy: indexing a GPU tensor seven times is seven synchronous copies
+        cid, action, bad_, spike_, due_, applied_, hold_ = flags.tolist()
+        return (cid, action, bool(bad_), bool(spike_), bool(due_), bool(applied_), bool(hold_))
 
     def _recover(self, cause: str, r: StepResult, applied: bool) -> str | None:
         """Policy for a bad step (collective): undo it in place when no rank's optimizer applied
