@@ -239,32 +239,68 @@ class Daemon:
                    and st is not JobState.RECOVERING for st in states.values()):
                 break
             self.store.wait_for_change(0.5)
-        late = [n for n in paused if self.store.get_job(n).state.live and
-                self.store.get_job(n).state is not JobState.PAUSED]
+        states = {n: self.store.get_job(n).state for n in paused}
+        late = [n for n, st in states.items() if st.live and st is not JobState.PAUSED]
         if late:
             log.warning("drain_timeout", jobs=late, timeout_s=timeout_s,
                         detail="not paused within --drain-timeout: their workers keep running "
-                        "and the next ds3dd reattaches to them and carries out the pause")
+                        "and the next ds3dd reattaches to them, carries out the pause, then "
+                        "resumes them")
         return paused
 
     def resume_drained(self) -> list[str]:
-        """Resumes the jobs the previous daemon paused at its shutdown (and nothing else)."""
+        """Resumes the jobs the previous daemon paused at its shutdown (and nothing else).
+        One whose pause that daemon's drain gave up on (still live, its pause pending: the
+        workers were hung or saving for longer than --drain-timeout) is resumed once this
+        daemon has carried the pause out; it stayed PAUSED for good before."""
         from .states import JobState
 
-        resumed = []
+        resumed, pausing = [], []
         for job in self.store.list_jobs():
-            if job.state is not JobState.PAUSED:
+            if not job.state.live or not self._paused_by_drain(job.name):
                 continue
-            # the daemon's own requests only (rank -1): workers acknowledge commands with
-            # events of kind "command" too, after the drain
-            mine = [e for e in self.store.events(job=job.name, limit=1 << 30,
-                                                 kinds=[EventKind.DRAIN, EventKind.REQUEST,
-                                                        EventKind.COMMAND])
-                    if e.rank == -1]
-            if mine and mine[-1].kind == EventKind.DRAIN:
+            if job.state is JobState.PAUSED:
                 self.service.resume(job.name)
                 resumed.append(job.name)
+            elif job.desired_state is JobState.PAUSED:
+                pausing.append(job.name)
+        if pausing:
+            log.info("drained jobs still pausing: each resumes once its pause is carried out",
+                     jobs=pausing)
+            threading.Thread(target=self._resume_once_paused, args=(pausing,),
+                             name="resume-drained", daemon=True).start()
         return resumed
+
+    def _paused_by_drain(self, name: str) -> bool:
+        """The daemon's last request of the job was a drain's pause. Its own requests only
+        (rank -1): workers acknowledge commands with events of kind "command" too."""
+        mine = [e for e in self.store.events(job=name, limit=1 << 30,
+                                             kinds=[EventKind.DRAIN, EventKind.REQUEST,
+                                                    EventKind.COMMAND])
+                if e.rank == -1]
+        return bool(mine) and mine[-1].kind == EventKind.DRAIN
+
+    def _resume_once_paused(self, names: list[str]) -> None:
+        """Follows the drained jobs still pausing until each is PAUSED (then resumes it), has
+        ended, or was asked something else since (a stop, a resume: theirs to decide)."""
+        from .states import JobState
+
+        stopping = self.supervisors.stopping
+        while names and not stopping.is_set():
+            for name in list(names):
+                try:
+                    job = self.store.get_job(name)
+                    if not job.state.live or not self._paused_by_drain(name):
+                        names.remove(name)
+                    elif job.state is JobState.PAUSED:
+                        names.remove(name)
+                        self.service.resume(name)
+                        log.info("resumed a job paused at the last shutdown", job=name)
+                except Ds3dError as e:  # deleted, or a state that no longer allows it
+                    log.warning("cannot resume a drained job", job=name, error=str(e))
+                    if name in names:
+                        names.remove(name)
+            self.store.wait_for_change(1.0)
 
     def _not_serving(self) -> None:
         """Health says NOT_SERVING from the start of a shutdown (load balancers and peers stop

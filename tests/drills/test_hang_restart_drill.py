@@ -4,7 +4,7 @@ do"). The restarted daemon must reattach and see the hang already in progress wi
 timeout of the last report, name the stopped rank (its stack cannot be taken), count the steps
 lost from the newest step trained; and a pause requested of the hung workers just before the
 crash (or by a SIGTERM's drain that gave up on them) must complete after the restart, without
-them.
+them; the drained job is then resumed, as a drain promises.
 
 Before the fix a restarted daemon knew no report of the running group (the pids, the last
 report time and the step times lived in its predecessor's memory): every group looked like one
@@ -192,20 +192,38 @@ def test_a_hang_across_a_daemon_crash_is_detected_and_a_pending_pause_completes(
         assert_names_stopped_rank(second, pid)
 
         # 3. the same through a graceful shutdown: SIGTERM's drain asks the hung workers to
-        # pause, gives up after --drain-timeout and leaves them; the next ds3dd carries it out
+        # pause, gives up after --drain-timeout and leaves them; the next ds3dd carries the
+        # pause out, then resumes the job as a drain promises (it stayed PAUSED before)
         r = d.ctl("resume", "frozen")
         assert r.returncode == 0, r.stderr
         d.wait_for("frozen", lambda j: j["state"] == "RUNNING", "resumed", timeout_s=300)
         wait_reported_step(run_dir, job["step"] + 3, timeout_s=300)
         pid = stop_rank(run_dir, 1)
-
-        def drain_then_start() -> float:
+        stopped_at = time.time()
+        try:
             assert d.proc is not None
             d.proc.terminate()
             d.proc.wait(DRAIN_TIMEOUT_S + 30)
             assert stacks.local_workers(run_dir), "the drain gave up: the workers still run"
             d.start()
-            return time.time()
-
-        paused_without_workers(d, pid, drain_then_start)
+            up_at = time.time()
+            # the pause may be carried out and resumed between two polls: its events tell
+            d.wait_for("frozen", lambda j: j["state"] == "RUNNING" and j["desired_state"] ==
+                       "RUNNING" and stacks.local_workers(run_dir).get(1, [pid])[0] != pid,
+                       "paused without the workers, then resumed by the new daemon",
+                       timeout_s=HANG_TIMEOUT_S + 300)
+        finally:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        events = d.events("frozen")
+        [drain] = [e for e in events if e["kind"] == "drain" and e["time"] >= stopped_at]
+        [paused] = [e for e in events if e["kind"] == "state" and e["to"] == "PAUSED"
+                    and e["seq"] > drain["seq"]]
+        assert "paused on request without the workers' final checkpoint" in paused["message"]
+        assert paused["time"] <= max(stopped_at + timeout_of(hang_faults(d, "frozen")[-1]),
+                                     up_at) + SLACK_S + 5, (paused["time"] - stopped_at)
+        [resume] = [e for e in events if e["kind"] == "request" and e["seq"] > paused["seq"]]
+        assert resume["message"] == "resume requested" and resume["rank"] == -1, resume
         assert_names_stopped_rank(hang_faults(d, "frozen")[-1], pid)
