@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from ds3d.trainer.config import JobConfig
 from ds3d.trainer.kinds import EventKind
@@ -22,10 +23,22 @@ from ds3d.v1 import control_pb2 as pb
 from .jobdir import JobDir
 from .logging import get_logger
 from .metrics import Metrics
-from .peers import REPORT_FILE_RE, PeerClient, PeerError, ReturningNodes
+from .peers import FAULTS_FILE_RE, REPORT_FILE_RE, PeerClient, PeerError, ReturningNodes
 from .store import Job, Store
 
 BACKOFF_S = 5.0  # a node that did not answer is not called again before this
+
+
+NODE_NAME_FILE = "node-name"  # in reports/nodes/<address>/: the --node-name answering there
+
+
+def pulled_node_name(mirror: Path) -> str:
+    """The name of the node whose reports `mirror` (reports/nodes/<address>/) holds, as it
+    answered the newest pull; its address (the folder's name) before the first."""
+    try:
+        return (mirror / NODE_NAME_FILE).read_text().strip() or mirror.name
+    except OSError:
+        return mirror.name
 
 
 class JobNodes:
@@ -159,8 +172,8 @@ class JobNodes:
 
     def pull_reports(self, job: Job) -> None:
         """Re-sends the control files a node missed, then appends the other nodes' new report
-        lines to reports/nodes/<node>/ (whole lines, at the offset each copy already has, so
-        a repeated pull never duplicates a record)."""
+        lines, and their agents' faults lines, to reports/nodes/<node>/ (whole lines, at the
+        offset each copy already has, so a repeated pull never duplicates a record)."""
         addresses = self.addresses(job)
         if not addresses:
             return
@@ -170,15 +183,19 @@ class JobNodes:
                 continue
             mirror = self.jobdir.reports / "nodes" / re.sub(r"[^A-Za-z0-9._-]", "_", address)
             mirror.mkdir(parents=True, exist_ok=True)
-            have = {p.name: p.stat().st_size for p in mirror.glob("rank-*.jsonl")}
+            have = {p.name: p.stat().st_size for p in mirror.iterdir()
+                    if REPORT_FILE_RE.match(p.name) or FAULTS_FILE_RE.match(p.name)}
             try:
                 resp = self.peers.pull_reports(address, self.name, have)  # type: ignore[union-attr]
             except PeerError as e:
                 self._backoff[address] = time.monotonic() + BACKOFF_S
                 self.log.warning("cannot pull reports", node=address, error=str(e))
                 continue
+            if resp.node and pulled_node_name(mirror) != resp.node:
+                (mirror / NODE_NAME_FILE).write_text(resp.node)
             for chunk in resp.chunks:
-                if not REPORT_FILE_RE.match(chunk.file) or chunk.offset != have.get(chunk.file, 0):
+                if not (REPORT_FILE_RE.match(chunk.file) or FAULTS_FILE_RE.match(chunk.file)) \
+                        or chunk.offset != have.get(chunk.file, 0):
                     continue
                 with open(mirror / chunk.file, "ab") as fh:
                     fh.write(chunk.data)

@@ -83,6 +83,8 @@ INJECT_FILE = "inject.json"  # jobdir.py: a drill's fault injection for the work
 # its agent back nor resumes its backlog; a StartShare removes it (not a ShareControl file)
 STOPPED_FILE = "share-stopped.json"
 REPORT_FILE_RE = re.compile(r"^rank-\d{5,}(\.\d{6,})?\.jsonl$")  # trainer/report.py segments
+# the node's elastic agent's group failures (control/agent-<attempt>.faults, daemon/agent.py)
+FAULTS_FILE_RE = re.compile(r"^agent-\d+\.faults$")
 # report bytes in one PullReports answer: with each chunk's framing it stays under the 4 MiB that
 # a gRPC client receives by default (a 4 MiB budget made an answer of 4 MiB + 63 bytes that the
 # head refused on every pull: the node's reports never arrived again)
@@ -462,7 +464,8 @@ class Shares:
         copies are its `offsets` (file -> size). Each rank's segments go in order, a segment
         only once the one before it was sent to its end (but for a torn last line), so a
         segment older than the head's newest copy of its rank that the head no longer has was
-        copied whole, tailed and deleted there: it is deleted here too (trainer/report.py)."""
+        copied whole, tailed and deleted there: it is deleted here too (trainer/report.py).
+        The agent's faults files (control/agent-<attempt>.faults) come the same way, first."""
         jobdir = self._jobdir(name)
         if jobdir is None:
             return None
@@ -473,6 +476,19 @@ class Shares:
             if parsed is not None:
                 head_newest[parsed[0]] = max(head_newest.get(parsed[0], -1), parsed[1])
         chunks = []
+        # first (a few lines), the node's agent's group failures: the head names the rank a
+        # failure began with in its fault event
+        for path in sorted(jobdir.control.glob("agent-*.faults")):
+            start = offsets.get(path.name, 0)
+            if budget <= 0 or not FAULTS_FILE_RE.match(path.name) or start < 0:
+                continue
+            with open(path, "rb") as fh:
+                fh.seek(start)
+                data = fh.read(budget)
+            cut = data[:data.rfind(b"\n") + 1]
+            if cut:
+                chunks.append(pb.ReportChunk(file=path.name, offset=start, data=cut))
+                budget -= len(cut)
         held_back: set[int] = set()  # ranks with a segment not sent to its end
         for path in report_segments(jobdir.reports):
             rank, segment = parse_segment_name(path.name) or (-1, -1)

@@ -53,7 +53,7 @@ from .jobdir import JobDir
 from .launcher import AgentHandle, Launcher, kill_strays
 from .logging import get_logger
 from .metrics import Metrics
-from .multinode import JobNodes
+from .multinode import JobNodes, pulled_node_name
 from .peers import PeerClient, PeerError
 from .policies import RestartPolicy, restart_policy_for
 from .procs import ProcessRef
@@ -679,16 +679,25 @@ class JobSupervisor:
         return cause
 
     def _record_group_failures(self, job: Job) -> None:
-        """One `fault` event (cause worker_exit) per worker group the agent restarted by itself,
+        """One `fault` event (cause worker_exit) per worker group an agent restarted by itself,
         naming the rank that failed first and how (killed by which signal, or its exit code and
-        error), from the lines the agent appends to control/agent-<attempt>.faults before it
-        restarts the group (daemon/agent.py FailureLog). Read before the report records, so the
-        fault is stored ahead of the restarted group's `recovery` event; the read offset is
-        committed with the events (no fault lost or doubled across a daemon restart). A failure
-        the agent did not restart from is its exit error (the agent_exit fault)."""
+        error), from the lines each agent appends to control/agent-<attempt>.faults before it
+        restarts the group (daemon/agent.py FailureLog): this node's, and the other nodes'
+        pulled into reports/nodes/<node>/ (multinode.py), where a rank that failed on another
+        node is named. Read before the report records, so the fault is stored ahead of the
+        restarted group's `recovery` event; each file's read offset is committed with the
+        events (no fault lost or doubled across a daemon restart). A failure the agent did not
+        restart from is its exit error (the agent_exit fault)."""
         name = f"agent-{job.attempt}{FAULTS_SUFFIX}"
-        path = self.jobdir.path / "control" / name
-        offset = self.store.offsets(self.name).get(name, 0)
+        self._ingest_faults(job, name, self.jobdir.path / "control" / name, "")
+        for mirror in sorted((self.jobdir.reports / "nodes").glob(f"*/{name}")):
+            self._ingest_faults(job, f"nodes/{mirror.parent.name}/{name}", mirror,
+                                pulled_node_name(mirror.parent))
+
+    def _ingest_faults(self, job: Job, key: str, path: Path, node: str) -> None:
+        """The new lines of one agent's faults file (offset kept under `key`) as events;
+        `node`: the node whose agent wrote it, "" for this one."""
+        offset = self.store.offsets(self.name).get(key, 0)
         try:
             with open(path, "rb") as fh:
                 fh.seek(offset)
@@ -699,6 +708,7 @@ class JobSupervisor:
         if not whole:
             return
         events = []
+        where = f" on node {node}" if node else ""
         for line in whole.decode(errors="replace").splitlines():
             try:
                 rec = json.loads(line)
@@ -710,10 +720,11 @@ class JobSupervisor:
             events.append({
                 "time": at, "kind": EventKind.FAULT,
                 "cause": "worker_exit", "rank": rank, "step": job.step,
-                "message": f"worker group failed after step {job.step}: "
+                "message": f"worker group failed after step {job.step}{where}: "
                            f"{rec.get('message', '')}; the agent restarts the group",
-                "detail": rec})
-        self.store.ingest(self.name, {name: offset + len(whole)}, events)
+                "detail": {**rec, "node": node} if node else rec,
+                **({"node": node} if node else {})})
+        self.store.ingest(self.name, {key: offset + len(whole)}, events)
         for ev in events:
             self.ctx.metrics.faults.labels(self.name, "worker_exit").inc()
             self.log.warning(EventKind.FAULT, cause="worker_exit", detail=ev["message"],

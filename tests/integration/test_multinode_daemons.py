@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import signal
 import time
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from ds3d.daemon import stacks
 from ds3d.daemon.procs import job_workers
 
 from support import losses, records, torchrun
@@ -155,6 +157,35 @@ def test_two_daemons_run_one_job(nodes, tmp_path):
         channel.close()
     assert status.node == "node-b" and [s.job for s in status.shares] == ["mn"]
     assert status.shares[0].exit_code == 0
+
+
+def test_a_rank_killed_on_another_node_is_named_by_the_head(nodes, tmp_path):
+    """A worker SIGKILLed on node B (global rank 0 runs there): B's agent names it in its
+    faults file and restarts the group, and the head, which pulls that file with B's reports,
+    stores a worker_exit fault naming rank 0, SIGKILL and node-b. Before, the head read only
+    its own agent's file: its rank 1 had merely lost its peer."""
+    a, b = nodes
+    r = a.ctl("start", "tiny", "--name", "blame", "--dp", "2", "--steps", "100000",
+              "--hosts", f"{a.addr},{b.addr}", "--store", f"file://{tmp_path}/store",
+              "--set", "checkpoint.interval=0")
+    assert r.returncode == 0, r.stderr
+    share_dir = b.state_dir / "shares" / "blame"
+    wait_reported_step(share_dir, 3, timeout_s=300)
+    [(pid, _local)] = [w for rank, w in stacks.local_workers(share_dir).items() if rank == 0]
+    os.kill(pid, signal.SIGKILL)
+
+    def named(j: dict) -> bool:
+        return any(e["kind"] == "fault" and e["cause"] == "worker_exit" and
+                   e["node"] == "node-b" for e in a.events("blame")) or \
+            j["state"] in ("FAILED", "COMPLETED")
+
+    a.wait_for("blame", named, "the head's fault event for node-b's rank", timeout_s=180)
+    [fault] = [e for e in a.events("blame") if e["kind"] == "fault" and e["node"] == "node-b"]
+    assert fault["rank"] == 0 and fault["cause"] == "worker_exit", fault
+    assert " on node node-b: rank 0 failed first: killed by SIGKILL (signal 9)" in \
+        fault["message"], fault
+    assert a.ctl("stop", "blame", "--now").returncode == 0
+    a.wait_state("blame", "STOPPED", "FAILED", timeout_s=120)
 
 
 def test_unreachable_node_fails_the_launch_cleanly(tmp_path):

@@ -52,6 +52,24 @@ def test_pull_hands_out_whole_lines_from_offsets(tmp_path):
     assert shares.head_address("other") is None and shares.names() == ["mn"]
 
 
+def test_pull_hands_out_the_agents_faults_lines_first(tmp_path):
+    """The node's agent's group failures (control/agent-<attempt>.faults) reach the head by the
+    same pull, ahead of a backlog of report bytes, in whole lines from the head's offsets; no
+    other control file does."""
+    shares, jobdir = share(tmp_path)
+    (jobdir.reports / "rank-00001.jsonl").write_bytes(b'{"a": 1}\n' * 100)
+    faults = jobdir.control / "agent-2.faults"
+    faults.write_bytes(b'{"rank": 1}\n{"rank": ')
+    (jobdir.control / "command.json").write_text('{"id": 1, "action": "pause"}\n')
+    chunks = shares.pull("mn", {}, max_bytes=40)
+    assert [(c.file, c.offset, c.data) for c in chunks] == [
+        ("agent-2.faults", 0, b'{"rank": 1}\n'), ("rank-00001.jsonl", 0, b'{"a": 1}\n' * 3)]
+    faults.write_bytes(b'{"rank": 1}\n{"rank": 0}\n')
+    (chunk, _) = shares.pull("mn", {"agent-2.faults": 12})
+    assert (chunk.file, chunk.offset, chunk.data) == ("agent-2.faults", 12, b'{"rank": 0}\n')
+    assert [c.file for c in shares.pull("mn", {"agent-2.faults": 24})] == ["rank-00001.jsonl"]
+
+
 def test_an_etcd_led_job_is_forwarded_to_its_lease_holder(tmp_path):
     """The takeover watch's reading of the lease decides where the job's calls go: the first
     host no more (it may be the dead head), a clear retryable refusal while nobody leads."""

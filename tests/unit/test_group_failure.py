@@ -162,6 +162,7 @@ def test_an_agent_restart_is_a_fault_event_before_its_recovery_event(tmp_path):
     attempt = store.get_job("j").attempt
     sup: Any = SimpleNamespace(name="j", store=store, jobdir=jobdir,
                                ctx=SimpleNamespace(metrics=Metrics()), log=get_logger("test"))
+    sup._ingest_faults = lambda *a: JobSupervisor._ingest_faults(sup, *a)
     t = 1000.0
     killed = group_failure([RankExit(0, 1, PEER_ERROR, t, t), RankExit(1, 1, PEER_ERROR, t, t),
                             RankExit(2, -9, "", None, t), RankExit(3, 1, PEER_ERROR, t, t)])
@@ -188,3 +189,44 @@ def test_an_agent_restart_is_a_fault_event_before_its_recovery_event(tmp_path):
         fh.write(json.dumps({**killed.as_record(restarted=True), "rank": "two"}) + "\n")
     JobSupervisor._record_group_failures(sup, store.get_job("j"))
     assert len([e for e in store.events(job="j") if e.kind == "fault"]) == 1
+
+
+def test_a_rank_that_failed_on_another_node_is_named_with_that_node(tmp_path):
+    """In a multi-node job the head pulls each other node's agent faults file into
+    reports/nodes/<address>/ (daemon/multinode.py): the fault event names the rank that failed
+    first there, and that node (its --node-name as it answered the pull), once."""
+    from ds3d.daemon.agent import FAULTS_SUFFIX
+    from ds3d.daemon.jobdir import JobDir
+    from ds3d.daemon.logging import get_logger
+    from ds3d.daemon.metrics import Metrics
+    from ds3d.daemon.multinode import NODE_NAME_FILE
+    from ds3d.daemon.store import Store
+    from ds3d.daemon.supervisor import JobSupervisor
+    from ds3d.trainer.config import build_job_config
+
+    store = Store(tmp_path / "ds3d.db")
+    jobdir = JobDir(tmp_path / "jobs", "j")
+    (jobdir.path / "control").mkdir(parents=True)
+    store.create_job("j", build_job_config("tiny", name="j").dump_json(), "node-a",
+                     str(jobdir.path))
+    attempt = store.get_job("j").attempt
+    sup: Any = SimpleNamespace(name="j", store=store, jobdir=jobdir,
+                               ctx=SimpleNamespace(metrics=Metrics()), log=get_logger("test"))
+    sup._ingest_faults = lambda *a: JobSupervisor._ingest_faults(sup, *a)
+    t = 1000.0
+    mirror = jobdir.reports / "nodes" / "127.0.0.1_7001"
+    mirror.mkdir(parents=True)
+    (mirror / NODE_NAME_FILE).write_text("node-b")
+    killed = group_failure([RankExit(2, -9, "", None, t), RankExit(3, 1, PEER_ERROR, t, t)])
+    (mirror / f"agent-{attempt}{FAULTS_SUFFIX}").write_text(
+        json.dumps(killed.as_record(restarted=True)) + "\n")
+    (mirror / f"agent-{attempt + 1}{FAULTS_SUFFIX}").write_text(  # another attempt's: not yet
+        json.dumps(killed.as_record(restarted=True)) + "\n")
+
+    JobSupervisor._record_group_failures(sup, store.get_job("j"))
+    JobSupervisor._record_group_failures(sup, store.get_job("j"))  # nothing new
+    [fault] = [e for e in store.events(job="j") if e.kind == "fault"]
+    assert fault.cause == "worker_exit" and fault.rank == 2 and fault.node == "node-b"
+    assert fault.message.startswith(f"worker group failed after step 0 on node node-b: rank 2 "
+                                    f"failed first: killed by SIGKILL (signal 9)"), fault.message
+    assert fault.detail["node"] == "node-b" and fault.detail["signal"] == "SIGKILL"
