@@ -118,13 +118,21 @@ class StepAnalysis:
         first = rank - rank % self.tp
         return [r for r in range(first, first + self.tp) if r in self.splits]
 
-    def own_compute(self) -> dict[int, float]:
-        """Each rank's compute time less its time inside the TP all-reduces (`tp_wait`), where
-        every rank reports it; else compute time as it is."""
-        compute = {r: float(s["compute_s"]) for r, s in self.splits.items()}
+    def tp_waits(self) -> dict[int, float] | None:
+        """Each rank's time inside the TP all-reduces (`tp_wait`), where every rank reports
+        it (workers under torch.compile do not); else None."""
         waits = {r: s.get("tp_wait") for r, s in self.splits.items()}
         if all(isinstance(w, int | float) for w in waits.values()):
-            return {r: max(0.0, c - float(waits[r] or 0.0)) for r, c in compute.items()}
+            return {r: float(w or 0.0) for r, w in waits.items()}
+        return None
+
+    def own_compute(self) -> dict[int, float]:
+        """Each rank's compute time less its time inside the TP all-reduces, where every rank
+        reports it; else compute time as it is."""
+        compute = {r: float(s["compute_s"]) for r, s in self.splits.items()}
+        waits = self.tp_waits()
+        if waits is not None:
+            return {r: max(0.0, c - waits[r]) for r, c in compute.items()}
         return compute
 
     def _straggler(self) -> None:
@@ -132,7 +140,8 @@ class StepAnalysis:
             return
         compute = {r: float(s["compute_s"]) for r, s in self.splits.items()}
         own = self.own_compute()
-        measured = all(isinstance(x.get("tp_wait"), int | float) for x in self.splits.values())
+        waits = self.tp_waits()
+        measured = waits is not None
         rank, worst = max(own.items(), key=lambda kv: (kv[1], -kv[0]))
         median = statistics.median(c for r, c in own.items() if r != rank)
         if median <= 0:  # nothing measured to compare with (every other rank's time all waits)
@@ -148,9 +157,8 @@ class StepAnalysis:
         detail: dict[str, Any] = {"compute_s": compute, "own_compute_s": own,
                                   "median_s": median, "slow_ranks": slow,
                                   "tp_wait_measured": measured}
-        if measured:
-            detail["tp_wait_s"] = {r: float(x.get("tp_wait") or 0.0)
-                                   for r, x in self.splits.items()}
+        if waits is not None:
+            detail["tp_wait_s"] = waits
         group = self.tp_group(rank)
         if not measured and len(group) > 1 and set(group) <= set(slow):
             # its TP peers wait for it inside forward/backward: compute time cannot say which
@@ -168,12 +176,11 @@ class StepAnalysis:
                 {**detail, "tp_group": group})
             return
         peers = [r for r in group if r != rank]
-        waits = detail.get("tp_wait_s", {})
         peer_note = (f"; its tensor-parallel peer{'s' if len(peers) > 1 else ''} "
                      f"{', '.join(f'rank {r}' for r in peers)} wait"
                      f"{'' if len(peers) > 1 else 's'} for it inside the all-reduces ("
                      + ", ".join(f"{waits[r]:.3f} s" for r in peers) + f" vs its "
-                     f"{waits[rank]:.3f} s)" if measured and peers else "")
+                     f"{waits[rank]:.3f} s)" if waits is not None and peers else "")
         also = [r for r in slow if r != rank]
         self._raise("straggler", rank, s.get("step"), (
             f"straggler: rank {rank} ({where}) computes {worst / median:.1f}x longer per "
