@@ -6,13 +6,14 @@ BIN    := $(VENV)/bin
 export DS_ACCELERATOR ?= cpu
 export DS_BUILD_OPS := 0
 
-# Tests run in two tiers, each 2-wide under pytest-xdist. The first: the unit tests (no
-# processes of ds3d's own) and the S3-only integration modules, which spend their time waiting
-# on object-store servers (moto, Ceph RGW, outages and retries) rather than computing. The
-# second: everything that starts training processes (ds3dd with real workers, the agent, the
+# Tests run in two tiers under pytest-xdist. The first, 2-wide: the unit tests (no processes
+# of ds3d's own) and the S3-only integration modules, which spend their time waiting on
+# object-store servers (moto, Ceph RGW, outages and retries) rather than computing. The second,
+# 3-wide: everything that starts training processes (ds3dd with real workers, the agent, the
 # drills), a module per xdist worker (module fixtures are shared): the workers are forked from
 # a preloaded forkserver (daemon/agent.py), so these tests mostly wait on the jobs they drive
-# (timeouts, outages, polls) and two of them share 2 cores without timing each other out.
+# (timeouts, outages, polls): 2-wide they kept the 2 cores ~40% busy (19.5 min), 3-wide they
+# take ~15.5 min, and each must hold under two busy loops, a heavier load than a third test.
 # The `timing` tests (wall-clock bounds) then run alone. Each test's time is kept in
 # build/test-results/*.xml (JUnit), to see where the tiers spend theirs. Every part always runs; `make test`
 # fails if any fails (pytest's "no tests collected" excepted for the timing run).
@@ -63,7 +64,7 @@ test: warm lint bytecode
 	@status=0; \
 	$(BIN)/pytest -q -ra -n 2 -m "not timing" --durations=20 $(PARALLEL_TESTS) \
 		--junitxml=build/test-results/unit-and-s3.xml || status=1; \
-	$(BIN)/pytest -q -ra -n 2 --dist loadfile -m "not timing" --durations=40 \
+	$(BIN)/pytest -q -ra -n 3 --dist loadfile -m "not timing" --durations=40 \
 		$(addprefix --ignore=,$(PARALLEL_TESTS)) tests \
 		--junitxml=build/test-results/processes.xml || status=1; \
 	$(BIN)/pytest -q -ra -m timing tests; rc=$$?; \
