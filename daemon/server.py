@@ -41,7 +41,8 @@ from .procs import ProcessRef
 from .reflection_v1 import enable_reflection_v1
 from .service import JobService, stored_config_problem
 from .store import EVENTS_KEPT, Store
-from .supervisor import SupervisorContext, Supervisors
+from .supervisor import SupervisorContext
+from .supervisors import Supervisors
 from .takeover import Standby
 
 log = get_logger("ds3d.daemon")

@@ -42,7 +42,7 @@ from .preflight import preflight
 from .states import LIVE, TERMINAL, JobState, check_action
 from .step_analysis import BUBBLE_TARGET, REDUCE_TO_FORWARD_TARGET
 from .store import CheckpointRow, Event, Job, Store
-from .supervisor import Supervisors
+from .supervisors import Supervisors
 
 LOG_TAIL_MAX_BYTES = 256 * 1024
 # one GetLogs answer: below grpc's default 4 MiB a client receives (a job of many ranks and

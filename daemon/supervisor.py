@@ -23,7 +23,6 @@ policy are objects passed in, so a new fault needs a new detector, not a change 
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Callable
@@ -34,10 +33,8 @@ from typing import Any
 from ds3d.checkpoints.disk_space import is_disk_full
 from ds3d.checkpoints.node_memory import remove_job_folder
 from ds3d.trainer.config import JobConfig
-from ds3d.trainer.errors import Ds3dError
 from ds3d.trainer.kinds import DoneReason, EventKind, RecordKind
 
-from .agent import FAULTS_SUFFIX
 from .backlog_upload import MAX_RETRY_S, BacklogUpload, local_backlog
 from .ckpt_index import IndexReconciler
 from .commands import Action, Command
@@ -45,15 +42,16 @@ from .decisions import END_STATES, Handler, done_reason, handler_for
 from .detectors import Detector, Fault
 from .disk import DiskWatch
 from .failure_history import FailureHistory
+from .group_failures import GroupFailures
 from .incidents import Incident, IncidentClock
 from .job_detectors import DetectorFactory
-from .job_leadership import FailoverClient, JobRecord, Leadership, job_key
+from .job_leadership import FailoverClient, Leadership, job_key
 from .job_metrics import JobMetrics
 from .jobdir import JobDir
 from .launcher import AgentHandle, Launcher, kill_strays
 from .logging import get_logger
 from .metrics import Metrics
-from .multinode import JobNodes, pulled_node_name
+from .multinode import JobNodes
 from .peers import PeerClient, PeerError
 from .policies import RestartPolicy, restart_policy_for
 from .procs import ProcessRef
@@ -65,6 +63,8 @@ from .states import TERMINAL, JobState
 from .step_analysis import StepAnalysis
 from .store import Job, Store
 from .tick_errors import TickErrors
+
+REJOIN_COMMAND_WAIT_S = 60.0  # a command the workers never acknowledge does not block a rejoin
 
 
 @dataclass
@@ -136,6 +136,7 @@ class JobSupervisor:
         self.index = IndexReconciler(ctx.store, ctx.metrics, name)
         self.index.request("the daemon started supervising the job")
         self.failures = FailureHistory(ctx.store, name)
+        self.group_failures = GroupFailures(ctx.store, ctx.metrics, name, self.jobdir, self.log)
         self._world = job.world_size  # processes of the running group; 0 before the first start
         # checkpoints the exited workers left local-complete but not durable (_durable_first)
         self.backlog: BacklogUpload | None = None
@@ -176,7 +177,7 @@ class JobSupervisor:
         agent_exit = self.agent.poll() if self.agent is not None else None
         self.disk.tick(self.store.get_job(self.name))
         self.nodes.pull_reports(self.store.get_job(self.name))
-        self._record_group_failures(self.store.get_job(self.name))  # before the new `start`
+        self.group_failures.record(self.store.get_job(self.name))  # before the new `start`
         obs = self.tail.poll()
         job = self.store.get_job(self.name)
         agent_restart = self._count_group_restarts(job, obs)
@@ -678,58 +679,6 @@ class JobSupervisor:
         self.ctx.metrics.restarts.labels(self.name, cause).inc(len(new))
         return cause
 
-    def _record_group_failures(self, job: Job) -> None:
-        """One `fault` event (cause worker_exit) per worker group an agent restarted by itself,
-        naming the rank that failed first and how (killed by which signal, or its exit code and
-        error), from the lines each agent appends to control/agent-<attempt>.faults before it
-        restarts the group (daemon/agent.py FailureLog): this node's, and the other nodes'
-        pulled into reports/nodes/<node>/ (multinode.py), where a rank that failed on another
-        node is named. Read before the report records, so the fault is stored ahead of the
-        restarted group's `recovery` event; each file's read offset is committed with the
-        events (no fault lost or doubled across a daemon restart). A failure the agent did not
-        restart from is its exit error (the agent_exit fault)."""
-        name = f"agent-{job.attempt}{FAULTS_SUFFIX}"
-        self._ingest_faults(job, name, self.jobdir.path / "control" / name, "")
-        for mirror in sorted((self.jobdir.reports / "nodes").glob(f"*/{name}")):
-            self._ingest_faults(job, f"nodes/{mirror.parent.name}/{name}", mirror,
-                                pulled_node_name(mirror.parent))
-
-    def _ingest_faults(self, job: Job, key: str, path: Path, node: str) -> None:
-        """The new lines of one agent's faults file (offset kept under `key`) as events;
-        `node`: the node whose agent wrote it, "" for this one."""
-        offset = self.store.offsets(self.name).get(key, 0)
-        try:
-            with open(path, "rb") as fh:
-                fh.seek(offset)
-                data = fh.read()
-        except OSError:  # none yet: no group of this attempt failed
-            return
-        whole = data[:data.rfind(b"\n") + 1]
-        if not whole:
-            return
-        events = []
-        where = f" on node {node}" if node else ""
-        for line in whole.decode(errors="replace").splitlines():
-            try:
-                rec = json.loads(line)
-                if not isinstance(rec, dict) or not rec.get("restarted"):
-                    continue
-                at, rank = float(rec.get("time") or time.time()), int(rec.get("rank", -1))
-            except (ValueError, TypeError):  # a damaged line: passed over, never every tick
-                continue
-            events.append({
-                "time": at, "kind": EventKind.FAULT,
-                "cause": "worker_exit", "rank": rank, "step": job.step,
-                "message": f"worker group failed after step {job.step}{where}: "
-                           f"{rec.get('message', '')}; the agent restarts the group",
-                "detail": {**rec, "node": node} if node else rec,
-                **({"node": node} if node else {})})
-        self.store.ingest(self.name, {key: offset + len(whole)}, events)
-        for ev in events:
-            self.ctx.metrics.faults.labels(self.name, "worker_exit").inc()
-            self.log.warning(EventKind.FAULT, cause="worker_exit", detail=ev["message"],
-                             step=job.step)
-
     def _note_store_wait(self, job: Job, obs: Observation) -> None:
         """Workers that have trained their last step wait for their newest checkpoint to be
         durable (trainer/loop.py wait_for_store) and say so: the status says what is pending
@@ -808,90 +757,3 @@ class JobSupervisor:
             held = (job.name, job.config_json, JobConfig.model_validate_json(job.config_json))
             self._held_config = held  # one assignment: the service's thread may read it too
         return held[2]
-
-
-def release_node_memory(job: Job) -> None:
-    """A job that ended holds nothing in node memory any more (checkpoints/node_memory.py: its
-    workers' newest save kept in /dev/shm for a restart, RAM until removed)."""
-    if job.job_id and remove_job_folder(job.job_id):
-        get_logger("ds3d.supervisor", job=job.name).info("node memory released",
-                                                          job_id=job.job_id)
-
-
-REJOIN_COMMAND_WAIT_S = 60.0  # a command the workers never acknowledge does not block a rejoin
-
-
-class Supervisors:
-    """The supervisor threads of one daemon, one per live job."""
-
-    def __init__(self, ctx: SupervisorContext) -> None:
-        self.ctx = ctx
-        self.stopping = threading.Event()
-        self._sups: dict[str, JobSupervisor] = {}
-        self._threads: dict[str, threading.Thread] = {}
-        self._lock = threading.Lock()
-
-    def resume_all(self) -> None:
-        """Daemon start: supervise every job that is still live (reattach or restart)."""
-        for job in self.ctx.store.list_jobs():
-            if job.state not in TERMINAL:
-                self.ensure(job.name)
-            else:  # ended while this daemon was down (or before its cleanup finished)
-                remove_job_folder(job.job_id)
-
-    def ensure(self, name: str) -> None:
-        with self._lock:
-            t = self._threads.get(name)
-            if t is not None and t.is_alive():
-                return
-            try:
-                sup = JobSupervisor(name, self.ctx)
-            except Ds3dError:
-                get_logger("ds3d.supervisor", job=name).exception("cannot supervise")
-                return
-            t = threading.Thread(target=sup.run, args=(self.stopping,), name=f"sup-{name}",
-                                 daemon=True)
-            self._sups[name], self._threads[name] = sup, t
-            t.start()
-
-    def adopt(self, name: str, leadership: Leadership, record: JobRecord,
-              noticed: float) -> None:
-        """Supervises a job taken over from its lost leader (daemon/takeover.py), under the
-        lease already won; its recovery is timed from the old leader's last step."""
-        self.ctx.leaderships[name] = leadership
-        with self._lock:
-            self._sups.pop(name, None)
-        self.ensure(name)
-        sup = self._sups.get(name)
-        if sup is not None:
-            sup.incidents.last_step, sup.incidents.last_step_time = record.step, record.step_at
-            sup.incidents.fault("leader_lost", noticed)
-            sup.wake.set()
-
-    def forward_control(self, name: str, file: str, text: str) -> None:
-        """Copies a control file the service wrote on this (head) node to the job's other
-        nodes, through its supervisor (which retries nodes it cannot reach)."""
-        self.ensure(name)
-        sup = self._sups.get(name)
-        if sup is not None:
-            sup.nodes.forward_control(file, text)
-
-    def poke(self, name: str) -> None:
-        """Wakes a job's supervisor now (a new intent was stored), starting one if needed."""
-        self.ensure(name)
-        sup = self._sups.get(name)
-        if sup is not None:
-            sup.wake.set()
-
-    def analysis(self, name: str) -> StepAnalysis | None:
-        """The job's step-time analysis as this daemon saw it (kept after the job ends)."""
-        sup = self._sups.get(name)
-        return sup.analysis if sup is not None else None
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        """Daemon shutdown: supervision stops, the agents keep running (reattached on start)."""
-        self.stopping.set()
-        for sup in list(self._sups.values()):
-            sup.wake.set()
-        for t in list(self._threads.values()):
-            t.join(timeout_s)

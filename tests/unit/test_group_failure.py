@@ -146,12 +146,12 @@ def test_an_agent_restart_is_a_fault_event_before_its_recovery_event(tmp_path):
     (a second pass, or a daemon restarted on the same store, records nothing again); the
     failure the agent did not restart from is left to its exit (agent_exit)."""
     from ds3d.daemon.agent import FAULTS_SUFFIX
+    from ds3d.daemon.group_failures import GroupFailures
     from ds3d.daemon.jobdir import JobDir
     from ds3d.daemon.logging import get_logger
     from ds3d.daemon.metrics import Metrics
     from ds3d.daemon.reports import ReportTail
     from ds3d.daemon.store import Store
-    from ds3d.daemon.supervisor import JobSupervisor
     from ds3d.trainer.config import build_job_config
     from ds3d.trainer.report import Reporter
 
@@ -160,9 +160,7 @@ def test_an_agent_restart_is_a_fault_event_before_its_recovery_event(tmp_path):
     (jobdir.path / "control").mkdir(parents=True)
     store.create_job("j", build_job_config("tiny", name="j").dump_json(), "n1", str(jobdir.path))
     attempt = store.get_job("j").attempt
-    sup: Any = SimpleNamespace(name="j", store=store, jobdir=jobdir,
-                               ctx=SimpleNamespace(metrics=Metrics()), log=get_logger("test"))
-    sup._ingest_faults = lambda *a: JobSupervisor._ingest_faults(sup, *a)
+    failures = GroupFailures(store, Metrics(), "j", jobdir, get_logger("test"))
     t = 1000.0
     killed = group_failure([RankExit(0, 1, PEER_ERROR, t, t), RankExit(1, 1, PEER_ERROR, t, t),
                             RankExit(2, -9, "", None, t), RankExit(3, 1, PEER_ERROR, t, t)])
@@ -170,10 +168,11 @@ def test_an_agent_restart_is_a_fault_event_before_its_recovery_event(tmp_path):
     faults.write_text(json.dumps(killed.as_record(restarted=True)) + "\n")
     Reporter(jobdir.path, 0, restart=1).emit("start", step=0, world_size=4)
 
-    JobSupervisor._record_group_failures(sup, store.get_job("j"))  # the tick's order
+    failures.record(store.get_job("j"))  # the supervisor's tick's order
     ReportTail(store, jobdir).poll()
-    JobSupervisor._record_group_failures(sup, store.get_job("j"))  # nothing new
-    JobSupervisor._record_group_failures(SimpleNamespace(**{**vars(sup)}), store.get_job("j"))
+    failures.record(store.get_job("j"))  # nothing new
+    GroupFailures(store, Metrics(), "j", jobdir, get_logger("test")).record(  # a new daemon
+        store.get_job("j"))
     events = [e for e in store.events(job="j") if e.kind in ("fault", "recovery")]
     assert [(e.kind, e.cause) for e in events] == [("fault", "worker_exit"),
                                                    ("recovery", "worker_exit")]
@@ -183,11 +182,11 @@ def test_an_agent_restart_is_a_fault_event_before_its_recovery_event(tmp_path):
 
     with faults.open("a") as fh:  # the budget is spent: the agent exits with this as its error
         fh.write(json.dumps(killed.as_record(restarted=False)) + "\n")
-    JobSupervisor._record_group_failures(sup, store.get_job("j"))
+    failures.record(store.get_job("j"))
     assert len([e for e in store.events(job="j") if e.kind == "fault"]) == 1
     with faults.open("a") as fh:  # a damaged line is passed over, not an error in every tick
         fh.write(json.dumps({**killed.as_record(restarted=True), "rank": "two"}) + "\n")
-    JobSupervisor._record_group_failures(sup, store.get_job("j"))
+    failures.record(store.get_job("j"))
     assert len([e for e in store.events(job="j") if e.kind == "fault"]) == 1
 
 
@@ -196,12 +195,12 @@ def test_a_rank_that_failed_on_another_node_is_named_with_that_node(tmp_path):
     reports/nodes/<address>/ (daemon/multinode.py): the fault event names the rank that failed
     first there, and that node (its --node-name as it answered the pull), once."""
     from ds3d.daemon.agent import FAULTS_SUFFIX
+    from ds3d.daemon.group_failures import GroupFailures
     from ds3d.daemon.jobdir import JobDir
     from ds3d.daemon.logging import get_logger
     from ds3d.daemon.metrics import Metrics
     from ds3d.daemon.multinode import NODE_NAME_FILE
     from ds3d.daemon.store import Store
-    from ds3d.daemon.supervisor import JobSupervisor
     from ds3d.trainer.config import build_job_config
 
     store = Store(tmp_path / "ds3d.db")
@@ -210,9 +209,7 @@ def test_a_rank_that_failed_on_another_node_is_named_with_that_node(tmp_path):
     store.create_job("j", build_job_config("tiny", name="j").dump_json(), "node-a",
                      str(jobdir.path))
     attempt = store.get_job("j").attempt
-    sup: Any = SimpleNamespace(name="j", store=store, jobdir=jobdir,
-                               ctx=SimpleNamespace(metrics=Metrics()), log=get_logger("test"))
-    sup._ingest_faults = lambda *a: JobSupervisor._ingest_faults(sup, *a)
+    failures = GroupFailures(store, Metrics(), "j", jobdir, get_logger("test"))
     t = 1000.0
     mirror = jobdir.reports / "nodes" / "127.0.0.1_7001"
     mirror.mkdir(parents=True)
@@ -223,10 +220,10 @@ def test_a_rank_that_failed_on_another_node_is_named_with_that_node(tmp_path):
     (mirror / f"agent-{attempt + 1}{FAULTS_SUFFIX}").write_text(  # another attempt's: not yet
         json.dumps(killed.as_record(restarted=True)) + "\n")
 
-    JobSupervisor._record_group_failures(sup, store.get_job("j"))
-    JobSupervisor._record_group_failures(sup, store.get_job("j"))  # nothing new
+    failures.record(store.get_job("j"))
+    failures.record(store.get_job("j"))  # nothing new
     [fault] = [e for e in store.events(job="j") if e.kind == "fault"]
     assert fault.cause == "worker_exit" and fault.rank == 2 and fault.node == "node-b"
-    assert fault.message.startswith(f"worker group failed after step 0 on node node-b: rank 2 "
-                                    f"failed first: killed by SIGKILL (signal 9)"), fault.message
+    assert fault.message.startswith("worker group failed after step 0 on node node-b: rank 2 "
+                                    "failed first: killed by SIGKILL (signal 9)"), fault.message
     assert fault.detail["node"] == "node-b" and fault.detail["signal"] == "SIGKILL"
