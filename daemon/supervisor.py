@@ -134,7 +134,9 @@ class JobSupervisor:
         self.incidents = IncidentClock.resumed(job.run_dir, job.step)  # after a restart too
         # the checkpoint index against the store: now (a daemon (re)start), after trouble
         self.index = IndexReconciler(ctx.store, ctx.metrics, name)
-        self.index.request("the daemon started supervising the job")
+        # asked after the first tick has read the reports written meanwhile: their events come
+        # first, and the store's verdict is not overwritten by the replay of older reports
+        self._reconcile_due: str | None = "the daemon started supervising the job"
         self.failures = FailureHistory(ctx.store, name)
         self.group_failures = GroupFailures(ctx.store, ctx.metrics, name, self.jobdir, self.log)
         self._world = job.world_size  # processes of the running group; 0 before the first start
@@ -184,6 +186,9 @@ class JobSupervisor:
         for incident in self.incidents.observe(obs.records, agent_cause=agent_restart):
             self._recovered(incident)
         self.index.observe(obs.kinds(RecordKind.CHECKPOINT))
+        if self._reconcile_due is not None:
+            self.index.request(self._reconcile_due)
+            self._reconcile_due = None
         if any(r.get("phase") == "rolled_back" for r in obs.kinds(RecordKind.CHECKPOINT)):
             self.nodes.forward_control("restore.json", "", local=True)  # read on rank 0's node
         self._note_store_wait(job, obs)

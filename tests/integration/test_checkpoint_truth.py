@@ -106,9 +106,18 @@ def test_the_index_is_reconciled_on_restart_and_verified_on_demand(tmp_path: Pat
             commit_checkpoint(storage, step, 1, meta_for(step, job="recon").model_copy(
                 update={"job_id": job_id}), timeout=10)
         d.kill()  # the daemon misses the commits: its index says `saved` for S, nothing for T
+        time.sleep(2)  # and the steps trained meanwhile (one each 0.5 s)
+        restarted_at = time.time()
         d.start()
         rows = wait("S committed after the restart", lambda: (c := checkpoints(d, "recon"))
                     and c.get(s_step, {}).get("phase") == "committed" and c)
+        # the history reads in order: the steps trained while the daemon was down, then what
+        # the restarted daemon found in the store
+        history = d.events("recon")
+        reconciled = min(e["seq"] for e in history if e["cause"] == "reconciled")
+        missed = [e["seq"] for e in history if e["kind"] == "step" and
+                  e["time"] < restarted_at and e["seq"] > reconciled]
+        assert not missed, (missed, reconciled)
         assert rows[t_step]["phase"] == "committed"
         assert "complete MANIFEST" in rows[t_step]["detail"]
         events = [e for e in d.event_details("recon") if e["kind"] == "checkpoint"
