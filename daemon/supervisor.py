@@ -132,7 +132,8 @@ class JobSupervisor:
         job = self.store.get_job(name)
         self.exported = JobMetrics(ctx.metrics, name, self.analysis)
         self.incidents = IncidentClock.resumed(job.run_dir, job.step)  # after a restart too
-        # the checkpoint index against the store: now (a daemon (re)start), after trouble
+        # the checkpoint index against the store: at the first tick (a daemon (re)start), and
+        # after trouble
         self.index = IndexReconciler(ctx.store, ctx.metrics, name)
         # asked after the first tick has read the reports written meanwhile: their events come
         # first, and the store's verdict is not overwritten by the replay of older reports
