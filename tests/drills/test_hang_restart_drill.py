@@ -93,29 +93,34 @@ def assert_names_stopped_rank(hang: dict, pid: int) -> None:
     assert "0" in detail["stacks"], detail  # rank 0 answered: waiting in the all-reduce
 
 
-def paused_without_workers(d: DaemonProc, pid: int, interrupt: Callable[[], float]) -> dict:
+def paused_without_workers(d: DaemonProc, pid: int, interrupt: Callable[[], float],
+                           settled: Callable[[dict], bool], what: str) -> dict:
     """With rank 1 stopped as `pid`: `interrupt` leaves a pause pending and ds3dd restarted
     (returns when it answers, unix time); the restarted ds3dd must carry the pause out without
-    the hung workers within the hang timeout of the stop (or of its start) and the slack. The
-    rank is continued whatever happens. Returns the PAUSED job."""
+    the hung workers within the hang timeout of the stop (or of its start) and the slack, and
+    the job then reach `settled` (`what`: PAUSED, or resumed after it). The rank is continued
+    whatever happens. Returns the event of the transition to PAUSED (a resume may follow it
+    between two polls: the event tells)."""
     stopped_at = time.time()
     try:
         up_at = interrupt()
         job = d.job("frozen")
         assert job["state"] == "RUNNING" and job["desired_state"] == "PAUSED", job
-        job = d.wait_state("frozen", "PAUSED", "FAILED", "RECOVERING",
-                           timeout_s=HANG_TIMEOUT_S + 120)
-        paused_at = time.time()
+        job = d.wait_for("frozen", lambda j: settled(j) or j["state"] in ("FAILED",
+                                                                            "RECOVERING"),
+                         what, timeout_s=HANG_TIMEOUT_S + 300)
     finally:
         try:
             os.kill(pid, signal.SIGCONT)
         except ProcessLookupError:
             pass
-    assert job["state"] == "PAUSED", job
-    assert "paused on request without the workers' final checkpoint" in job["message"], job
-    assert paused_at <= max(stopped_at + timeout_of(job), up_at) + SLACK_S + 5, \
-        (paused_at - stopped_at, up_at - stopped_at, job["message"])
-    return job
+    assert settled(job), job
+    [paused] = [e for e in d.events("frozen") if e["kind"] == "state" and e["to"] == "PAUSED"
+                and e["time"] >= stopped_at]
+    assert "paused on request without the workers' final checkpoint" in paused["message"], paused
+    assert paused["time"] <= max(stopped_at + timeout_of(paused), up_at) + SLACK_S + 5, \
+        (paused["time"] - stopped_at, up_at - stopped_at, paused["message"])
+    return paused
 
 
 @pytest.mark.timeout(1200)
@@ -185,8 +190,10 @@ def test_a_hang_across_a_daemon_crash_is_detected_and_a_pending_pause_completes(
             assert r.returncode == 0, r.stderr
             return crash_and_restart(d)
 
-        job = paused_without_workers(d, pid, pause_then_crash)
-        assert job["restarts"] == 1, job
+        paused_without_workers(d, pid, pause_then_crash, lambda j: j["state"] == "PAUSED",
+                               "the pause carried out without the workers")
+        job = d.job("frozen")
+        assert job["state"] == "PAUSED" and job["restarts"] == 1, job
         second = hang_faults(d, "frozen")[-1]
         assert second["seq"] != hang["seq"]
         assert_names_stopped_rank(second, pid)
@@ -199,31 +206,22 @@ def test_a_hang_across_a_daemon_crash_is_detected_and_a_pending_pause_completes(
         d.wait_for("frozen", lambda j: j["state"] == "RUNNING", "resumed", timeout_s=300)
         wait_reported_step(run_dir, job["step"] + 3, timeout_s=300)
         pid = stop_rank(run_dir, 1)
-        stopped_at = time.time()
-        try:
+
+        def drain_then_start() -> float:
             assert d.proc is not None
             d.proc.terminate()
             d.proc.wait(DRAIN_TIMEOUT_S + 30)
             assert stacks.local_workers(run_dir), "the drain gave up: the workers still run"
             d.start()
-            up_at = time.time()
-            # the pause may be carried out and resumed between two polls: its events tell
-            d.wait_for("frozen", lambda j: j["state"] == "RUNNING" and j["desired_state"] ==
-                       "RUNNING" and stacks.local_workers(run_dir).get(1, [pid])[0] != pid,
-                       "paused without the workers, then resumed by the new daemon",
-                       timeout_s=HANG_TIMEOUT_S + 300)
-        finally:
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
+            return time.time()
+
+        paused = paused_without_workers(
+            d, pid, drain_then_start, lambda j: j["state"] == "RUNNING" and
+            j["desired_state"] == "RUNNING" and stacks.local_workers(run_dir).get(1, [pid])[0]
+            != pid, "paused without the workers, then resumed by the new daemon")
         events = d.events("frozen")
-        [drain] = [e for e in events if e["kind"] == "drain" and e["time"] >= stopped_at]
-        [paused] = [e for e in events if e["kind"] == "state" and e["to"] == "PAUSED"
-                    and e["seq"] > drain["seq"]]
-        assert "paused on request without the workers' final checkpoint" in paused["message"]
-        assert paused["time"] <= max(stopped_at + timeout_of(hang_faults(d, "frozen")[-1]),
-                                     up_at) + SLACK_S + 5, (paused["time"] - stopped_at)
+        [drain] = [e for e in events if e["kind"] == "drain"]
+        assert drain["seq"] < paused["seq"], (drain, paused)
         [resume] = [e for e in events if e["kind"] == "request" and e["seq"] > paused["seq"]]
         assert resume["message"] == "resume requested" and resume["rank"] == -1, resume
         assert_names_stopped_rank(hang_faults(d, "frozen")[-1], pid)
