@@ -16,6 +16,12 @@ no `tp_wait` cannot tell a TP group's ranks apart; the group is then named as su
 of it. The reference is the median of the other ranks (with four ranks, the median of all is the
 mean of a fast and a slow one when a whole TP group of two looks slow).
 
+One sampled step is not enough: a rank descheduled for 100 ms on a loaded host, or still warming
+up on the first sample, looks like a straggler for that step (CI saw rank 3 named at step 2 of a
+job whose slowdown began at step 7). A rank (or TP group) is named once it is the slow one
+on `straggler_samples` sampled steps in a row; a sample that names no one, or another rank,
+starts the count again.
+
 A detector (the supervisor's `Detector` protocol) that never restarts anything: its faults are
 diagnoses (event kind `diagnosis`), each kind raised once per cooldown.
 """
@@ -44,9 +50,12 @@ SPLIT_PARTS = ("forward", "backward", "optimizer", "p2p_wait", "dp_reduce", "dat
 
 class StepAnalysis:
     def __init__(self, straggler_factor: float = 1.5, straggler_min_gap_s: float = 0.05,
-                 cooldown_s: float = 600.0) -> None:
+                 straggler_samples: int = 2, cooldown_s: float = 600.0) -> None:
         self.factor, self.min_gap_s, self.cooldown_s = straggler_factor, straggler_min_gap_s, \
             cooldown_s
+        self.samples = straggler_samples
+        # (the slow rank, or TP group, its newest sampled step, sampled steps in a row it was slow)
+        self._streak: tuple[tuple[int, ...], int, int] | None = None
         self.splits: dict[int, dict[str, Any]] = {}  # rank -> newest sampled split (+ stage, node)
         self._raised: dict[tuple[str, int], float] = {}  # (kind, -1) -> monotonic time
         self._pending: list[Fault] = []
@@ -60,6 +69,7 @@ class StepAnalysis:
             self._note_tp(job)
         if obs.kinds(RecordKind.START):
             self.splits.clear()  # a new group: ranks may have other roles now
+            self._streak = None
         fresh = False
         for rec in obs.kinds(RecordKind.HEARTBEAT):
             split = rec.get("split")
@@ -148,19 +158,23 @@ class StepAnalysis:
             return
         slow = sorted(r for r, c in own.items()
                       if c > self.factor * median and c - median > self.min_gap_s)
-        if not slow:
-            return
         s = self.splits[rank]
+        group = self.tp_group(rank)
+        # without tp_wait a TP group's ranks compute alike, the slowest of them by chance
+        named = tuple(group) if not measured and len(group) > 1 and set(group) <= set(slow) \
+            else (rank,)
+        if not self._persists(named if slow else None, int(s.get("step", 0))):
+            return
         where = f"stage {s['stage']}" + (f" on node {s['node']}" if s.get("node") else "")
-        fix = ("check that device and host (clocks, thermal throttling, ECC errors, other "
-               "processes), and drain the node if it stays slow")
+        fix = (f"slow on {self.samples} sampled steps in a row; check that device and host "
+               "(clocks, thermal throttling, ECC errors, other processes), and drain the node if "
+               "it stays slow")
         detail: dict[str, Any] = {"compute_s": compute, "own_compute_s": own,
                                   "median_s": median, "slow_ranks": slow,
-                                  "tp_wait_measured": measured}
+                                  "tp_wait_measured": measured, "sampled_steps": self.samples}
         if waits is not None:
             detail["tp_wait_s"] = waits
-        group = self.tp_group(rank)
-        if not measured and len(group) > 1 and set(group) <= set(slow):
+        if len(named) > 1:
             # its TP peers wait for it inside forward/backward: compute time cannot say which
             others = [r for r in slow if r not in group]
             names = ", ".join(str(r) for r in group[:-1]) + f" and {group[-1]}"
@@ -190,6 +204,20 @@ class StepAnalysis:
             + f"; the others wait for it){peer_note}"
             + (f"; also slow: ranks {also}" if also else "") + f": {fix}"),
             detail)
+
+    def _persists(self, named: tuple[int, ...] | None, step: int) -> bool:
+        """Counts the sampled steps in a row on which the ranks `named` (None: no one) were the
+        slow ones; True once that is `self.samples`."""
+        if named is None:
+            self._streak = None
+            return False
+        prev = self._streak
+        if prev is None or prev[0] != named:
+            prev = (named, step, 1)
+        elif step > prev[1]:
+            prev = (named, step, prev[2] + 1)
+        self._streak = prev
+        return prev[2] >= self.samples
 
     def _raise(self, kind: str, rank: int, step: int | None, message: str,
                detail: dict[str, Any]) -> None:
