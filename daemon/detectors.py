@@ -48,6 +48,9 @@ class Fault:
     step: int | None = None
     detail: dict[str, Any] = field(default_factory=dict)
     fatal: bool = False  # True: the job fails now, without a restart
+    # a checkpoint that cannot be loaded (daemon/load_failures.py): restart from the newest
+    # usable checkpoint before this step instead of the newest one
+    roll_back_before: int | None = None
     kind: EventKind = EventKind.FAULT  # or DIAGNOSIS (advice that changes nothing), OOM
     # when the detector decided (unix seconds): an incident's time to detect ends here, not after
     # the stacks were taken and the workers killed

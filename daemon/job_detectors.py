@@ -16,6 +16,7 @@ from ds3d.trainer.oom import CgroupMemory
 
 from .detectors import AgentExitDetector, Detector, HangDetector, StartupDetector
 from .extension_cache import cache_roots, job_extensions_dir
+from .load_failures import UnloadableCheckpoints
 from .oom import OomDetector
 from .step_analysis import StepAnalysis
 from .store import Store
@@ -29,17 +30,20 @@ class DetectorFactory(Protocol):
 
 
 def standard_detectors(hang_min_timeout_s: float, start_timeout_s: float) -> DetectorFactory:
-    """Hang (`--hang-timeout`), start-up (`--start-timeout`), OOM, agent exit, stragglers."""
+    """Hang (`--hang-timeout`), start-up (`--start-timeout`), unloadable checkpoints, OOM,
+    agent exit, stragglers."""
 
     def build(job: str, store: Store, analysis: StepAnalysis) -> list[Detector]:
-        # OOM before agent exit: a worker that ran out of memory also ends its agent, and the
-        # diagnosis (with its own restart policy) must win over the generic "agent exited"
+        # OOM and an unloadable checkpoint before agent exit: a worker that ran out of memory
+        # or could not load also ends its agent (once the budget is spent), and the diagnosis
+        # (with its own policy) must win over the generic "agent exited"
         return [
             HangDetector(min_timeout_s=hang_min_timeout_s, startup_s=start_timeout_s),
             StartupDetector(start_timeout_s, lambda j: [
                 job_extensions_dir(Path(j.run_dir)),
                 *cache_roots(os.environ.get("TORCH_EXTENSIONS_DIR"))]),
-            oom_detector(job, store), AgentExitDetector(), analysis]
+            UnloadableCheckpoints(store, job), oom_detector(job, store), AgentExitDetector(),
+            analysis]
 
     return build
 

@@ -40,6 +40,7 @@ from ds3d.trainer.kinds import FaultKind
 from ds3d.trainer.report import report_segments
 
 from .commands import Command
+from .store import CheckpointRow
 
 # Control files the head copies to the other nodes of a multi-node job: rank 0 (which reads
 # commands) and the rank named by an injection may run on any node.
@@ -75,6 +76,17 @@ class JobDir:
     @property
     def logs(self) -> Path:
         return self.path / "logs"
+
+    def holds(self, row: CheckpointRow) -> bool:
+        """The index row's checkpoint folder is on this node's disk."""
+        if not row.path or "://" in row.path:
+            return False
+        p = Path(row.path)
+        return (p if p.is_absolute() else self.ckpt / p).exists()
+
+    def rollback_targets(self, rows: list[CheckpointRow]) -> list[int]:
+        """The steps a rollback may ask for: saved or committed, and on this node's disk."""
+        return [r.step for r in rows if r.phase in ("saved", "committed") and self.holds(r)]
 
     @property
     def control(self) -> Path:

@@ -13,8 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from .states import JobState
 
 # The `problem` label of ds3d_checkpoint_problems_total (a fixed set, never a step)
-CHECKPOINT_PROBLEMS = ("skipped", "abandoned", "failed", "cleanup_failed", "corrupt", "missing",
-                       "foreign")
+CHECKPOINT_PROBLEMS = ("skipped", "abandoned", "failed", "cleanup_failed", "load_failed",
+                       "corrupt", "missing", "foreign")
 
 
 class Metrics:

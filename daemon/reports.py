@@ -222,6 +222,8 @@ PROBLEM_PHASES = {
                         "next save tries again): {detail}",
     "cleanup_failed": "cleanup failed at checkpoint step {step} ({cause}; no checkpoint's "
                       "state changed): {detail}",
+    # DeepSpeed could not load a checkpoint whose hashes verified (trainer/load_failure.py)
+    "load_failed": "checkpoint step {step} could not be loaded (its files verified): {detail}",
 }
 
 

@@ -221,8 +221,7 @@ class JobService:
         self._require_desired_running(job, "roll back", allow_paused=True)
         if step < 0:
             raise ConfigError(f"rollback step={step}: a step is 0 or more")
-        usable = [c.step for c in self.checkpoints(name)[0]
-                  if c.phase in ("saved", "committed") and self.checkpoint_present(name, c)]
+        usable = JobDir(self.jobs_root, name).rollback_targets(self.checkpoints(name)[0])
         if step not in usable:
             have = ", ".join(map(str, usable)) or "none yet (`ds3dctl save JOB` makes one)"
             raise NotFoundError(f"job {name!r} has no checkpoint at step {step}; "
@@ -380,12 +379,7 @@ class JobService:
         return self.store.checkpoints(name), changes
 
     def checkpoint_present(self, name: str, row: CheckpointRow) -> bool:
-        if not row.path or "://" in row.path:
-            return False
-        p = Path(row.path)
-        if not p.is_absolute():
-            p = JobDir(self.jobs_root, name).ckpt / p
-        return p.exists()
+        return JobDir(self.jobs_root, name).holds(row)
 
     def events(self, name: str, after_seq: int, follow: bool, kinds: list[str],
                step_every: int, is_active: Callable[[], bool]) -> Iterator[Event]:

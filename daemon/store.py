@@ -532,12 +532,15 @@ class Store:
     # ---- queries -----------------------------------------------------------------------------
 
     def events(self, *, job: str = "", after_seq: int = 0, kinds: Iterable[EventKind] = (),
-               limit: int = 1000) -> list[Event]:
+               limit: int = 1000, cause: str = "") -> list[Event]:
         sql = "SELECT * FROM events WHERE seq > ?"
         args: list[Any] = [after_seq]
         if job:
             sql += " AND job = ?"
             args.append(job)
+        if cause:
+            sql += " AND cause = ?"
+            args.append(cause)
         kinds = list(kinds)
         if kinds:
             sql += f" AND kind IN ({','.join('?' * len(kinds))})"

@@ -26,7 +26,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -448,6 +448,9 @@ class JobSupervisor:
         """Records the faults in order, up to the first that restarts (or, past the restart
         budget, fails) the job or is fatal, and acts on that one."""
         for fault in faults:
+            if fault.roll_back_before is not None:
+                self._roll_back_past(job, fault)
+                return
             fault = self._record_fault(job, fault)
             if fault.restart:
                 self._restart_or_fail(job, fault)
@@ -456,6 +459,42 @@ class JobSupervisor:
                 self._kill_agent(now=True)
                 self._to(JobState.FAILED, fault.message, cause=fault.cause, agent_pid=0)
                 return
+
+    def _roll_back_past(self, job: Job, fault: Fault) -> None:
+        """A checkpoint that cannot be loaded (daemon/load_failures.py): a rollback to the newest
+        usable checkpoint before it, outside the restart budget (a new start, not the same one
+        again); or, when there is none or this one was the target of such a rollback already,
+        PAUSED with every checkpoint kept."""
+        bad = int(fault.roll_back_before or 0)
+        older = [s for s in self.jobdir.rollback_targets(self.store.checkpoints(self.name))
+                 if s < bad]
+        after = fault.detail.get("rolled_back_from")
+        if older and after is None:
+            to = max(older)
+            fault = replace(fault, message=(
+                f"{fault.message}; rolling back to the checkpoint of step {to}: steps "
+                f"{to + 1}-{bad} are trained again, and the rollback deletes checkpoint step "
+                f"{bad} with any newer one"), detail={**fault.detail, "rollback_to": to})
+            self._record_fault(job, fault)
+            self.incidents.fault(fault.cause, fault.detected_at)
+            self._kill_agent(now=True)  # now: by the next tick's rollback, a third group loads it
+            self.store.record(self.name, EventKind.REQUEST,
+                              f"rollback to step {to} past unloadable checkpoint step {bad}",
+                              step=to, rollback_step=to, command_id=job.command_id + 1,
+                              command_action="", command_acked=job.command_id + 1)
+            return
+        why = (f"checkpoint step {after} could not be loaded either, and two unloadable "
+               "checkpoints point to the environment (DeepSpeed's version, the configuration, "
+               "the disk) more than to the checkpoints" if after is not None else
+               "no usable checkpoint before it to roll back to")
+        fault = replace(fault, message=(
+            f"{fault.message}; PAUSED with every checkpoint kept: {why}. Fix the cause and "
+            "`ds3dctl resume JOB`, or `ds3dctl rollback JOB --step N` to an older checkpoint "
+            "(`ds3dctl checkpoints JOB`)"))
+        self._record_fault(job, fault)
+        self._kill_agent(now=True)
+        self._to(JobState.PAUSED, fault.message, cause=fault.cause,
+                 desired_state=JobState.PAUSED, agent_pid=0, agent_started=0)
 
     def _record_fault(self, job: Job, fault: Fault) -> Fault:
         """The fault's event (a hang's with the ranks' stacks), metric and log line; returns

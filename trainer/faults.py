@@ -92,6 +92,7 @@ class FaultInjector:
         self._spike: tuple[object, int] | None = None  # (hook handle, spiked steps left)
         self._mtime = 0.0
         self._pending: dict | None = None
+        self._unloadable: object | None = None  # the state-dict hook of an UNLOADABLE fault
 
     def _poll(self) -> dict | None:
         path = self.control / "inject.json"
@@ -151,6 +152,19 @@ class FaultInjector:
             self._spike = (_scale_last_layer(model, SPIKE_FACTOR), self.spike_steps)
             self._spike_countdown()
 
+    def _make_unloadable(self, model: torch.nn.Module) -> None:
+        if self._unloadable is None:
+            self._unloadable = _add_unknown_key(model)
+
+    def after_save(self, ckpt) -> None:
+        """After each save: the save an UNLOADABLE fault spoiled is waited for until it is
+        durable (committed, on rank 0), then this rank crashes, so that the restart restores
+        it. `ckpt`: the loop's CheckpointManager."""
+        if self._unloadable is None:
+            return
+        ckpt.wait_uploads(timeout=600.0)
+        os._exit(EXIT_INJECTED_CRASH)
+
     def _spike_countdown(self) -> None:
         """Counts the spiked steps in training order (a rollback does not bring them back):
         the spike ends after `spike_steps` steps, as a bad data window would."""
@@ -172,6 +186,7 @@ FAULT_ACTIONS: dict[FaultKind, Callable[[FaultInjector, torch.nn.Module], None]]
     FaultKind.SLOW: FaultInjector._slow,
     FaultKind.NAN: FaultInjector._nan,
     FaultKind.SPIKE: FaultInjector._spike_up,
+    FaultKind.UNLOADABLE: FaultInjector._make_unloadable,
 }
 
 SLOW_FORWARD_S = 0.1  # per micro-batch: a straggler is slow where it computes, not between steps
@@ -209,3 +224,19 @@ def _scale_last_layer(model: torch.nn.Module, factor: float):
     return last.register_forward_hook(
         lambda _module, _inputs, output: output * factor if torch.is_floating_point(output)
         else output)
+
+
+UNKNOWN_KEY = "ds3d_drill_unknown_key"
+
+
+def _add_unknown_key(model: torch.nn.Module) -> object:
+    """From now on the state dict of this rank's first layer has a key the layer does not
+    have: what it saves passes every size and sha256 check (they are taken of the bytes
+    written), and DeepSpeed's strict load of it fails ("Unexpected key(s) in state_dict")."""
+    layers = getattr(model, "forward_funcs", None) or list(model.children()) or [model]
+    first = next(layer for layer in layers if isinstance(layer, torch.nn.Module))
+
+    def hook(_module, state_dict, prefix, _local_metadata):
+        state_dict[prefix + UNKNOWN_KEY] = torch.zeros(1)
+
+    return first._register_state_dict_hook(hook)

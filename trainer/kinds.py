@@ -74,6 +74,9 @@ class FaultKind(enum.StrEnum):
     CRASH = "crash"  # the rank exits with code 13
     SLOW = "slow"    # every forward of the rank's first layer takes 0.1 s longer from then on
     SPIKE = "spike"  # the rank's last layer's output x 50 for the detector's patience in steps
+    # the rank's next checkpoint holds a key its model lacks (every hash verifies it, DeepSpeed's
+    # strict load refuses it: a writer's bug); the rank crashes once that checkpoint is committed
+    UNLOADABLE = "unloadable"
 
 
 class DoneReason(enum.StrEnum):

@@ -32,6 +32,7 @@ from .faults import FaultInjector, RollbackBudget, SpikeDetector
 from .kinds import SKIPPED_UPDATE, DoneReason, RecordKind
 from .layer_profile import PartitionTuner
 from .layout import ParallelLayout, ProcessEnv
+from .load_failure import brief, checkpoint_at_fault
 from .partition import current_partition
 from .process_age import process_started_at
 from .report import Reporter
@@ -148,7 +149,13 @@ class Trainer:
         heartbeat (the bench splits a restore's seconds with it)."""
         self.reporter.emit(RecordKind.HEARTBEAT, step=plan.step, phase="load", build_s=build_s)
         t0 = time.perf_counter()
-        self.ckpt.load(self.step_fn.engine, plan)
+        try:
+            self.ckpt.load(self.step_fn.engine, plan)
+        except Exception as e:
+            if checkpoint_at_fault(e):  # the daemon rolls back past a step that fails twice
+                self.reporter.emit(RecordKind.CHECKPOINT, step=plan.step, phase="load_failed",
+                                   source=plan.source, detail=brief(e))
+            raise
         self.step = plan.step
         self.saved_step = -1 if plan.memory_only else plan.step  # no file of a memory-only one
         self.tokens_seen = plan.manifest.tokens_seen
@@ -200,6 +207,7 @@ class Trainer:
         if self.tb is not None:
             self.tb.scalar("checkpoint/blocked_s", blocked, self.step)
         log.info("checkpoint saved", step=self.step, blocked_s=round(blocked, 3))
+        self.injector.after_save(self.ckpt)
 
     def hold(self) -> None:
         """A memory-only snapshot of this step (`checkpoint.memory_interval`): held in host and

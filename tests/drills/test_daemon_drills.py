@@ -10,6 +10,7 @@ Heavy: run serialised,
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 import tempfile
@@ -69,14 +70,15 @@ def reference(daemon) -> dict[int, float]:
     return want
 
 
-def inject_before_training(d: DaemonProc, name: str, kind: str, rank: int) -> None:
-    """Schedules `kind` on `rank` at AT_STEP as soon as the daemon accepts an injection (the job
+def inject_before_training(d: DaemonProc, name: str, kind: str, rank: int,
+                           at_step: int = AT_STEP) -> None:
+    """Schedules `kind` on `rank` at `at_step` as soon as the daemon accepts an injection (the job
     is STARTING: its workers have not trained yet), through the gRPC stub to lose no time. On a
     loaded machine a job found RUNNING may already be past any fixed step; the drills still read
     the step the rank actually injected at (`injected_step`) and assert relative to it."""
     channel, stub = d.stub()
     deadline = time.monotonic() + 300
-    req = pb.InjectFaultRequest(name=name, kind=kind, rank=rank, at_step=AT_STEP)
+    req = pb.InjectFaultRequest(name=name, kind=kind, rank=rank, at_step=at_step)
     try:
         while True:
             try:
@@ -210,6 +212,60 @@ def test_crashed_worker_group_is_restarted_and_matches(daemon, reference):
     assert metric_samples(daemon, "ds3d_recovery_steps_lost_total")[(name, "worker_exit")] == \
         d["steps_lost"]
     assert_same_losses(run_dir, reference)
+
+
+@pytest.mark.timeout(900)
+def test_an_unloadable_checkpoint_is_rolled_back_past(daemon, reference):
+    """Rank 0 saves a checkpoint DeepSpeed cannot load (its first layer's state has a key the
+    layer lacks; every size and sha256 verifies it: a writer's bug), then crashes once that
+    checkpoint is committed. The restarted groups restore it and fail in DeepSpeed's strict load,
+    twice; the daemon then rolls back to the checkpoint before it, instead of restarting the
+    same load until the budget is spent and the job FAILS. The rollback deletes the bad step;
+    the job completes with the reference losses."""
+    name = "unloadable"
+    run_dir, job, evs, at = drill(daemon, name, "unloadable", 0)
+    bad = at + at % 2  # the first save from the injected step on (checkpoint.interval=2)
+    failed = [e for e in evs if e["kind"] == "checkpoint" and e["cause"] == "load_failed"]
+    assert {e["step"] for e in failed} == {bad}, [e["message"] for e in evs]
+    # two groups (a third may have started before the daemon's tick saw the second fail)
+    assert len({e["detail"]["restart"] for e in failed}) >= 2, failed
+    assert any("Unexpected key(s)" in e["message"] and "ds3d_drill_unknown_key" in e["message"]
+               for e in failed), failed
+    fault = [e for e in evs if e["kind"] == "fault" and e["cause"] == "checkpoint_unloadable"]
+    assert len(fault) == 1, [e["message"] for e in evs]
+    assert fault[0]["step"] == bad and fault[0]["detail"]["rollback_to"] == bad - 2, fault
+    assert f"rolling back to the checkpoint of step {bad - 2}" in fault[0]["message"], fault
+    rolled = [r for r in records(run_dir, 0, "checkpoint") if r["phase"] == "rolled_back"]
+    assert [(r["step"], r["deleted"]) for r in rolled] == [(bad - 2, [bad])], rolled
+    assert job["state"] == "COMPLETED" and job["restarts"] <= 3
+    assert_same_losses(run_dir, reference)
+
+
+@pytest.mark.timeout(900)
+def test_an_unloadable_first_checkpoint_pauses_the_job_with_it_kept(daemon):
+    """The job's first checkpoint (step 2) cannot be loaded: there is nothing to roll back to.
+    After its second failed load the job is PAUSED (not FAILED once the restart budget is
+    spent, where nothing more can be done with it), the checkpoint kept and the message saying
+    what failed and the ways out."""
+    name = "unloadable-first"
+    start(daemon, name, *ONE_WORKER)
+    inject_before_training(daemon, name, "unloadable", rank=0, at_step=1)
+    job = daemon.wait_state(name, "PAUSED", "FAILED", "COMPLETED", timeout_s=600)
+    assert job["state"] == "PAUSED", logs(daemon, name)
+    run_dir = Path(job["run_dir"])
+    assert (run_dir / "control" / "inject-done-1").read_text() == "1"  # before any save
+    msg = job["message"]
+    assert msg.startswith("checkpoint step 2 could not be loaded by 2 worker groups (its files "
+                          "verified): rank 0: RuntimeError: Error(s) in loading state_dict"), msg
+    assert "; PAUSED with every checkpoint kept: no usable checkpoint before it to roll back " \
+           "to. Fix the cause and `ds3dctl resume JOB`" in msg, msg
+    assert daemon.job(name)["desired_state"] == "PAUSED"  # not resumed by the supervisor
+    r = daemon.ctl("checkpoints", name, "--json", timeout_s=120)
+    assert r.returncode == 0, r.stderr
+    assert {c["step"]: c["phase"] for c in json.loads(r.stdout)} == {2: "committed"}, r.stdout
+    assert not [e for e in daemon.event_details(name) if e["kind"] == "launch"][1:]
+    assert daemon.ctl("stop", name).returncode == 0
+    daemon.wait_state(name, "STOPPED", timeout_s=120)
 
 
 @pytest.mark.timeout(900)
