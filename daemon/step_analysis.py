@@ -17,10 +17,11 @@ of it. The reference is the median of the other ranks (with four ranks, the medi
 mean of a fast and a slow one when a whole TP group of two looks slow).
 
 One sampled step is not enough: a rank descheduled for 100 ms on a loaded host, or still warming
-up on the first sample, looks like a straggler for that step (CI saw rank 3 named at step 2 of a
-job whose slowdown began at step 7). A rank (or TP group) is named once it is the slow one
-on `straggler_samples` sampled steps in a row; a sample that names no one, or another rank,
-starts the count again.
+up on the first sample (step 2, under torch.compile still compiling), looks like a straggler for
+that step (CI saw rank 3 named at step 2 of a job whose slowdown began at step 7), and its
+bubble or reduction time are as noisy. Each diagnosis is raised once what it says held on
+`samples` sampled steps in a row: the same slow rank (or TP group), a bubble or a reduction over
+its target; a sample that says otherwise starts the count again.
 
 A detector (the supervisor's `Detector` protocol) that never restarts anything: its faults are
 diagnoses (event kind `diagnosis`), each kind raised once per cooldown.
@@ -50,12 +51,13 @@ SPLIT_PARTS = ("forward", "backward", "optimizer", "p2p_wait", "dp_reduce", "dat
 
 class StepAnalysis:
     def __init__(self, straggler_factor: float = 1.5, straggler_min_gap_s: float = 0.05,
-                 straggler_samples: int = 2, cooldown_s: float = 600.0) -> None:
+                 samples: int = 2, cooldown_s: float = 600.0) -> None:
         self.factor, self.min_gap_s, self.cooldown_s = straggler_factor, straggler_min_gap_s, \
             cooldown_s
-        self.samples = straggler_samples
-        # (the slow rank, or TP group, its newest sampled step, sampled steps in a row it was slow)
-        self._streak: tuple[tuple[int, ...], int, int] | None = None
+        self.samples = samples
+        # diagnosis kind -> (what it names: the slow rank or TP group, or (); its newest sampled
+        # step; sampled steps in a row it held)
+        self._streaks: dict[str, tuple[tuple[int, ...], int, int]] = {}
         self.splits: dict[int, dict[str, Any]] = {}  # rank -> newest sampled split (+ stage, node)
         self._raised: dict[tuple[str, int], float] = {}  # (kind, -1) -> monotonic time
         self._pending: list[Fault] = []
@@ -69,7 +71,7 @@ class StepAnalysis:
             self._note_tp(job)
         if obs.kinds(RecordKind.START):
             self.splits.clear()  # a new group: ranks may have other roles now
-            self._streak = None
+            self._streaks.clear()
         fresh = False
         for rec in obs.kinds(RecordKind.HEARTBEAT):
             split = rec.get("split")
@@ -86,8 +88,11 @@ class StepAnalysis:
 
     def _diagnose(self) -> None:
         self._straggler()
+        newest = max(int(s.get("step", 0)) for s in self.splits.values())
         bubble = self.bubble()
-        if bubble is not None and bubble[0] > BUBBLE_TARGET:
+        over = bubble is not None and bubble[0] > BUBBLE_TARGET
+        if self._persists("pipeline_bubble", () if over else None, newest) and \
+                bubble is not None:
             measured, theory = bubble
             m = next((s for s in self.splits.values() if "bubble" in s), {})
             self._raise("pipeline_bubble", -1, m.get("step"), (
@@ -98,15 +103,18 @@ class StepAnalysis:
                    if theory > BUBBLE_TARGET else
                    "the stages are unbalanced; re-split them by measured cost "
                    "(parallel.partition_method = \"measured\", or `ds3dctl rebalance`)")),
-                {"bubble": measured, "bubble_theoretical": theory})
+                {"bubble": measured, "bubble_theoretical": theory,
+                 "sampled_steps": self.samples})
         ratio = self.reduce_to_forward()
-        if ratio is not None and ratio > REDUCE_TO_FORWARD_TARGET:
+        over = ratio is not None and ratio > REDUCE_TO_FORWARD_TARGET
+        if self._persists("dp_reduce_slow", () if over else None, newest) and \
+                ratio is not None:
             self._raise("dp_reduce_slow", -1, None, (
                 f"data-parallel gradient reduction takes {ratio:.0%} of the forward time "
                 f"(target < {REDUCE_TO_FORWARD_TARGET:.0%}): use a larger micro-batch (more "
                 "compute per reduction), larger reduce buckets (train.deepspeed_config: "
                 "reduce_bucket_size) with overlap_comm, or fewer DP ranks per node link"),
-                {"reduce_to_forward": ratio})
+                {"reduce_to_forward": ratio, "sampled_steps": self.samples})
 
     def _note_tp(self, job: Job) -> None:
         text = getattr(job, "config_json", "")
@@ -163,7 +171,7 @@ class StepAnalysis:
         # without tp_wait a TP group's ranks compute alike, the slowest of them by chance
         named = tuple(group) if not measured and len(group) > 1 and set(group) <= set(slow) \
             else (rank,)
-        if not self._persists(named if slow else None, int(s.get("step", 0))):
+        if not self._persists("straggler", named if slow else None, int(s.get("step", 0))):
             return
         where = f"stage {s['stage']}" + (f" on node {s['node']}" if s.get("node") else "")
         fix = (f"slow on {self.samples} sampled steps in a row; check that device and host "
@@ -205,18 +213,18 @@ class StepAnalysis:
             + (f"; also slow: ranks {also}" if also else "") + f": {fix}"),
             detail)
 
-    def _persists(self, named: tuple[int, ...] | None, step: int) -> bool:
-        """Counts the sampled steps in a row on which the ranks `named` (None: no one) were the
-        slow ones; True once that is `self.samples`."""
+    def _persists(self, kind: str, named: tuple[int, ...] | None, step: int) -> bool:
+        """Counts the sampled steps in a row on which diagnosis `kind` held, naming the ranks
+        `named` (None: it did not hold); True once that is `self.samples`."""
         if named is None:
-            self._streak = None
+            self._streaks.pop(kind, None)
             return False
-        prev = self._streak
+        prev = self._streaks.get(kind)
         if prev is None or prev[0] != named:
             prev = (named, step, 1)
         elif step > prev[1]:
             prev = (named, step, prev[2] + 1)
-        self._streak = prev
+        self._streaks[kind] = prev
         return prev[2] >= self.samples
 
     def _raise(self, kind: str, rank: int, step: int | None, message: str,

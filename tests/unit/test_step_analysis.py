@@ -79,23 +79,41 @@ def test_nothing_to_compare_with_is_no_diagnosis_and_no_error():
     assert drain(a, obs(*beats)) == []
 
 
+def twice_in_a_row(analysis, *beats):
+    """The beats on sampled steps 4 and 6: the faults of the second (a diagnosis needs what
+    it says on 2 sampled steps in a row)."""
+    assert drain(analysis, obs(*({**b, "step": 4} for b in beats))) == []
+    return drain(analysis, obs(*({**b, "step": 6} for b in beats)))
+
+
 def test_bubble_diagnosis_says_which_fix_applies():
     a = StepAnalysis()
-    many_micro = drain(a, obs(beat(0, 1, bubble=0.30, bubble_theoretical=0.05),
-                              beat(1, 1, stage=1, bubble=0.28, bubble_theoretical=0.05)))
+    many_micro = twice_in_a_row(a, beat(0, 1, bubble=0.30, bubble_theoretical=0.05),
+                                beat(1, 1, stage=1, bubble=0.28, bubble_theoretical=0.05))
     assert [f.cause for f in many_micro] == ["pipeline_bubble"]
     assert "29%" in many_micro[0].message and "rebalance" in many_micro[0].message
+    assert many_micro[0].detail["sampled_steps"] == 2
     b = StepAnalysis()
-    few_micro = drain(b, obs(beat(0, 1, bubble=0.35, bubble_theoretical=0.33)))
+    few_micro = twice_in_a_row(b, beat(0, 1, bubble=0.35, bubble_theoretical=0.33))
     assert "micro-batches" in few_micro[0].message
     c = StepAnalysis()
-    assert drain(c, obs(beat(0, 1, bubble=0.10, bubble_theoretical=0.05))) == []
+    assert twice_in_a_row(c, beat(0, 1, bubble=0.10, bubble_theoretical=0.05)) == []
+    # one noisy sample (the first, still compiling) between good ones: no diagnosis
+    d = StepAnalysis()
+    assert drain(d, obs(beat(0, 1, step=2, bubble=0.40, bubble_theoretical=0.05))) == []
+    assert drain(d, obs(beat(0, 1, step=4, bubble=0.10, bubble_theoretical=0.05))) == []
+    assert drain(d, obs(beat(0, 1, step=6, bubble=0.40, bubble_theoretical=0.05))) == []
 
 
 def test_slow_reduction_is_diagnosed_against_forward():
     a = StepAnalysis()
-    found = drain(a, obs(beat(0, 1, reduce_to_forward=0.45), beat(1, 1, reduce_to_forward=0.2)))
+    found = twice_in_a_row(a, beat(0, 1, reduce_to_forward=0.45),
+                           beat(1, 1, reduce_to_forward=0.2))
     assert [f.cause for f in found] == ["dp_reduce_slow"] and "45%" in found[0].message
+    b = StepAnalysis()
+    assert drain(b, obs(beat(0, 1, step=2, reduce_to_forward=0.45))) == []
+    assert drain(b, obs(beat(0, 1, step=4, reduce_to_forward=0.1))) == []
+    assert drain(b, obs(beat(0, 1, step=6, reduce_to_forward=0.45))) == []
 
 
 def test_series_follow_the_current_group():
