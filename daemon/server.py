@@ -40,7 +40,7 @@ from .policies import restart_policy_for
 from .procs import ProcessRef
 from .reflection_v1 import enable_reflection_v1
 from .service import JobService, stored_config_problem
-from .store import EVENTS_KEPT, Store
+from .store import EVENTS_KEPT, Event, Store
 from .supervisor import SupervisorContext
 from .supervisors import Supervisors
 from .takeover import Standby
@@ -256,51 +256,58 @@ class Daemon:
         daemon has carried the pause out; it stayed PAUSED for good before."""
         from .states import JobState
 
-        resumed, pausing = [], []
+        resumed, pausing = [], {}
         for job in self.store.list_jobs():
-            if not job.state.live or not self._paused_by_drain(job.name):
+            drain = self._drain_request(job.name) if job.state.live else None
+            if drain is None:
                 continue
             if job.state is JobState.PAUSED:
                 self.service.resume(job.name)
                 resumed.append(job.name)
             elif job.desired_state is JobState.PAUSED:
-                pausing.append(job.name)
+                pausing[job.name] = drain
         if pausing:
             log.info("drained jobs still pausing: each resumes once its pause is carried out",
-                     jobs=pausing)
+                     jobs=sorted(pausing))
             threading.Thread(target=self._resume_once_paused, args=(pausing,),
                              name="resume-drained", daemon=True).start()
         return resumed
 
-    def _paused_by_drain(self, name: str) -> bool:
-        """The daemon's last request of the job was a drain's pause. Its own requests only
-        (rank -1): workers acknowledge commands with events of kind "command" too."""
-        mine = [e for e in self.store.events(job=name, limit=1 << 30,
+    def _own_requests(self, name: str, after_seq: int = 0) -> list[Event]:
+        """The daemon's own requests of the job after `after_seq` (rank -1: workers
+        acknowledge commands with events of kind "command" too)."""
+        return [e for e in self.store.events(job=name, after_seq=after_seq, limit=1 << 30,
                                              kinds=[EventKind.DRAIN, EventKind.REQUEST,
                                                     EventKind.COMMAND])
                 if e.rank == -1]
-        return bool(mine) and mine[-1].kind == EventKind.DRAIN
 
-    def _resume_once_paused(self, names: list[str]) -> None:
-        """Follows the drained jobs still pausing until each is PAUSED (then resumes it), has
-        ended, or was asked something else since (a stop, a resume: theirs to decide)."""
+    def _drain_request(self, name: str) -> int | None:
+        """The sequence number of the drain's pause, when it is the daemon's last request of
+        the job; else None."""
+        mine = self._own_requests(name)
+        return mine[-1].seq if mine and mine[-1].kind == EventKind.DRAIN else None
+
+    def _resume_once_paused(self, pausing: dict[str, int]) -> None:
+        """Follows the drained jobs still pausing (name -> the drain's event) until each is
+        PAUSED (then resumes it), has ended, or was asked something else since (a stop, a
+        resume: theirs to decide). Only requests newer than the drain are read at each store
+        commit, not the job's whole history."""
         from .states import JobState
 
         stopping = self.supervisors.stopping
-        while names and not stopping.is_set():
-            for name in list(names):
+        while pausing and not stopping.is_set():
+            for name, drain in list(pausing.items()):
                 try:
                     job = self.store.get_job(name)
-                    if not job.state.live or not self._paused_by_drain(name):
-                        names.remove(name)
+                    if not job.state.live or self._own_requests(name, after_seq=drain):
+                        del pausing[name]
                     elif job.state is JobState.PAUSED:
-                        names.remove(name)
+                        del pausing[name]
                         self.service.resume(name)
                         log.info("resumed a job paused at the last shutdown", job=name)
                 except Ds3dError as e:  # deleted, or a state that no longer allows it
                     log.warning("cannot resume a drained job", job=name, error=str(e))
-                    if name in names:
-                        names.remove(name)
+                    pausing.pop(name, None)
             self.store.wait_for_change(1.0)
 
     def _not_serving(self) -> None:
