@@ -49,7 +49,7 @@ class Fault:
     detail: dict[str, Any] = field(default_factory=dict)
     fatal: bool = False  # True: the job fails now, without a restart
     # a checkpoint that cannot be loaded (daemon/load_failures.py): restart from the newest
-    # usable checkpoint before this step instead of the newest one
+    # committed checkpoint before this step instead of the newest one
     roll_back_before: int | None = None
     kind: EventKind = EventKind.FAULT  # or DIAGNOSIS (advice that changes nothing), OOM
     # when the detector decided (unix seconds): an incident's time to detect ends here, not after

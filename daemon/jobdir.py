@@ -84,10 +84,6 @@ class JobDir:
         p = Path(row.path)
         return (p if p.is_absolute() else self.ckpt / p).exists()
 
-    def rollback_targets(self, rows: list[CheckpointRow]) -> list[int]:
-        """The steps a rollback may ask for: saved or committed, and on this node's disk."""
-        return [r.step for r in rows if r.phase in ("saved", "committed") and self.holds(r)]
-
     @property
     def control(self) -> Path:
         return self.path / "control"

@@ -6,8 +6,8 @@ and fails the same way until the restart budget is spent and the job FAILS, wher
 `ds3dctl rollback` it any more. The workers report such a failure (a `checkpoint` record, phase
 `load_failed`, trainer/load_failure.py; a lost peer or an allocation failure is not one); this
 detector turns a step whose load failed in two worker groups into a fault that rolls back past
-it: the supervisor restarts from the newest usable checkpoint before it (a rollback, which deletes
-the unloadable step with the abandoned timeline).
+it: the supervisor restarts from the newest committed checkpoint before it (a rollback, which
+deletes the unloadable step with the abandoned timeline).
 
 Only one step back by itself: when the checkpoint it rolled back to fails to load as well, the
 cause is likelier the environment (a DeepSpeed version, the configuration, the disk) than two

@@ -221,7 +221,8 @@ class JobService:
         self._require_desired_running(job, "roll back", allow_paused=True)
         if step < 0:
             raise ConfigError(f"rollback step={step}: a step is 0 or more")
-        usable = JobDir(self.jobs_root, name).rollback_targets(self.checkpoints(name)[0])
+        usable = [c.step for c in self.checkpoints(name)[0]
+                  if c.phase in ("saved", "committed") and self.checkpoint_present(name, c)]
         if step not in usable:
             have = ", ".join(map(str, usable)) or "none yet (`ds3dctl save JOB` makes one)"
             raise NotFoundError(f"job {name!r} has no checkpoint at step {step}; "

@@ -462,12 +462,13 @@ class JobSupervisor:
 
     def _roll_back_past(self, job: Job, fault: Fault) -> None:
         """A checkpoint that cannot be loaded (daemon/load_failures.py): a rollback to the newest
-        usable checkpoint before it, outside the restart budget (a new start, not the same one
-        again); or, when there is none or this one was the target of such a rollback already,
-        PAUSED with every checkpoint kept."""
+        committed checkpoint before it (durable and verified, downloaded if need be), outside
+        the restart budget (a new start, not the same one again); or, when there is none or
+        this one was the target of such a rollback already, PAUSED with every checkpoint
+        kept."""
         bad = int(fault.roll_back_before or 0)
-        older = [s for s in self.jobdir.rollback_targets(self.store.checkpoints(self.name))
-                 if s < bad]
+        older = [r.step for r in self.store.checkpoints(self.name)
+                 if r.phase == "committed" and r.step < bad]
         after = fault.detail.get("rolled_back_from")
         if older and after is None:
             to = max(older)
@@ -486,7 +487,7 @@ class JobSupervisor:
         why = (f"checkpoint step {after} could not be loaded either, and two unloadable "
                "checkpoints point to the environment (DeepSpeed's version, the configuration, "
                "the disk) more than to the checkpoints" if after is not None else
-               "no usable checkpoint before it to roll back to")
+               "no committed checkpoint before it to roll back to")
         fault = replace(fault, message=(
             f"{fault.message}; PAUSED with every checkpoint kept: {why}. Fix the cause and "
             "`ds3dctl resume JOB`, or `ds3dctl rollback JOB --step N` to an older checkpoint "

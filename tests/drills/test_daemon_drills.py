@@ -257,12 +257,16 @@ def test_an_unloadable_first_checkpoint_pauses_the_job_with_it_kept(daemon):
     msg = job["message"]
     assert msg.startswith("checkpoint step 2 could not be loaded by 2 worker groups (its files "
                           "verified): rank 0: RuntimeError: Error(s) in loading state_dict"), msg
-    assert "; PAUSED with every checkpoint kept: no usable checkpoint before it to roll back " \
+    assert "; PAUSED with every checkpoint kept: no committed checkpoint before it to roll back " \
            "to. Fix the cause and `ds3dctl resume JOB`" in msg, msg
     assert daemon.job(name)["desired_state"] == "PAUSED"  # not resumed by the supervisor
     r = daemon.ctl("checkpoints", name, "--json", timeout_s=120)
     assert r.returncode == 0, r.stderr
-    assert {c["step"]: c["phase"] for c in json.loads(r.stdout)} == {2: "committed"}, r.stdout
+    # kept: committed in the store, though the index may say `saved`: the drill's rank crashed
+    # as soon as the commit was done, maybe before its `committed` record was written
+    rows = json.loads(r.stdout)
+    assert [(c["step"], c["present"]) for c in rows if c["phase"] in ("saved", "committed")] \
+        == [(2, True)], r.stdout
     assert not [e for e in daemon.event_details(name) if e["kind"] == "launch"][1:]
     assert daemon.ctl("stop", name).returncode == 0
     daemon.wait_state(name, "STOPPED", timeout_s=120)

@@ -334,9 +334,10 @@ def _kill_tree(pid: int) -> None:
 
     try:
         root = psutil.Process(pid)
-    except psutil.NoSuchProcess:
+        tree = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:  # gone, or gone between the two calls (CI of 12-07)
         return
-    procs = [p for p in (root, *root.children(recursive=True)) if not is_resource_tracker(p)]
+    procs = [p for p in tree if not is_resource_tracker(p)]
     for p in procs:
         try:
             p.kill()
