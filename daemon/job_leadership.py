@@ -25,7 +25,7 @@ import json
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from ds3d.trainer.kinds import EventKind
@@ -119,6 +119,10 @@ class JobRecord:
     last_ckpt_step: int
     attempt: int = 0  # the newest launch: a successor's first is the next (a new run id)
     events: list[dict[str, Any]] = field(default_factory=list)
+    # the restart budget's count (daemon/policies.py), so that a crash loop does not start
+    # over with each new leader
+    restarts_in_a_row: int = 0
+    progress_mark: int = -1
 
     @property
     def live(self) -> bool:
@@ -130,7 +134,10 @@ class JobRecord:
 
     @classmethod
     def parse(cls, text: str) -> JobRecord:
-        return cls(**json.loads(text))
+        """A record of this daemon's version, or of an older or newer one (fields this one
+        does not know are left out; those it has and the record lacks take their defaults)."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in json.loads(text).items() if k in known})
 
 
 def read_record(client: Any, key: str) -> tuple[JobRecord | None, int]:
@@ -242,15 +249,15 @@ class Leadership:
         self._events = self._events[-EVENTS_KEPT:]
         if not self.lease.is_leader() or self.lease.term is None:
             return True  # not ours to write now; whether we still lead is hold()'s to say
-        key = (job.state, job.desired_state, job.restarts, job.last_ckpt_step, job.attempt,
-               job.config_json)
+        key = (job.state, job.desired_state, job.restarts, job.restarts_in_a_row,
+               job.last_ckpt_step, job.attempt, job.config_json)
         now = self.clock()
         if not force and key == self._published and now - self._published_at < REFRESH_RECORD_S:
             return True
         record = JobRecord(job.name, job.job_id, job.config_json, self.holder,
                            self.lease.term.token, job.state.name, job.desired_state.name,
                            job.restarts, job.step, job.updated_at, job.last_ckpt_step,
-                           job.attempt, self._events)
+                           job.attempt, self._events, job.restarts_in_a_row, job.progress_mark)
         try:
             if not self._record_index:
                 self._record_index = self._first_index()

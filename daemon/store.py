@@ -75,7 +75,9 @@ CREATE TABLE IF NOT EXISTS jobs (
     job_id TEXT NOT NULL DEFAULT '',
     leader TEXT NOT NULL DEFAULT '',
     listed_seq INTEGER NOT NULL DEFAULT 0,
-    memory_snapshot_step INTEGER NOT NULL DEFAULT -1
+    memory_snapshot_step INTEGER NOT NULL DEFAULT -1,
+    restarts_in_a_row INTEGER NOT NULL DEFAULT 0,
+    progress_mark INTEGER NOT NULL DEFAULT -1
 );
 CREATE TABLE IF NOT EXISTS transitions (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -128,6 +130,8 @@ _ADDED_COLUMNS = (
     ("jobs", "leader", "TEXT NOT NULL DEFAULT ''"),           # etcd mode: who leads it now
     ("jobs", "listed_seq", "INTEGER NOT NULL DEFAULT 0"),     # place in listings (job_pages)
     ("jobs", "memory_snapshot_step", "INTEGER NOT NULL DEFAULT -1"),  # newest held_in_memory
+    ("jobs", "restarts_in_a_row", "INTEGER NOT NULL DEFAULT 0"),  # the budget's (policies.py)
+    ("jobs", "progress_mark", "INTEGER NOT NULL DEFAULT -1"),  # last_ckpt_step at the last one
 )
 
 # Checkpoint index phases (docs/architecture.md): what the workers reported or the store showed.
@@ -155,7 +159,7 @@ _MUTABLE = {
     "restarts", "attempt", "last_ckpt_step", "agent_pid", "agent_started", "rdzv_pid",
     "rdzv_started", "rdzv_port", "command_id", "command_action", "command_acked",
     "rollback_step", "done_reason", "next_launch_at", "leader", "config_json",
-    "memory_snapshot_step",
+    "memory_snapshot_step", "restarts_in_a_row", "progress_mark",
 }
 
 
@@ -201,6 +205,10 @@ class Job:
     # the step of the newest memory-only snapshot rank 0 reported (checkpoint.memory_interval;
     # -1: none): each one's figure, as only the first of a worker group is an event (reports.py)
     memory_snapshot_step: int = -1
+    # the restart budget's count (daemon/policies.py): restarts since the job last made
+    # progress, and the newest committed checkpoint step at the last restart (-1: none)
+    restarts_in_a_row: int = 0
+    progress_mark: int = -1
 
     @classmethod
     def from_row(cls, row: sqlite3.Row) -> Job:

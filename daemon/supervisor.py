@@ -53,7 +53,7 @@ from .logging import get_logger
 from .metrics import Metrics
 from .multinode import JobNodes
 from .peers import PeerClient, PeerError
-from .policies import RestartPolicy, restart_policy_for
+from .policies import RestartPolicy, counted_restarts, restart_policy_for, restarts_in_a_row
 from .procs import ProcessRef
 from .rendezvous import etcd_endpoint, rendezvous_run_id, start_store
 from .reports import Observation, ReportTail
@@ -542,7 +542,7 @@ class JobSupervisor:
 
     def _restart_or_fail(self, job: Job, fault: Fault) -> None:
         policy = self.ctx.restart_policy(self._config(job))
-        decision = policy.decide(job.restarts, fault.cause)
+        decision = policy.decide(restarts_in_a_row(job), fault.cause)
         self._kill_agent(now=True)
         if decision.restart:  # timed from the detector's decision, not the end of the kill
             self.incidents.fault(fault.cause, fault.detected_at)
@@ -553,7 +553,7 @@ class JobSupervisor:
             return
         self.ctx.metrics.restarts.labels(self.name, fault.cause).inc()
         self._to(JobState.RECOVERING, decision.reason, cause=fault.cause, agent_pid=0,
-                 agent_started=0, restarts=job.restarts + 1, done_reason="",
+                 agent_started=0, **counted_restarts(job), done_reason="",
                  next_launch_at=time.time() + decision.delay_s)
 
     def _rollback(self, t: Tick) -> None:
@@ -605,7 +605,7 @@ class JobSupervisor:
                 return
             self.agent = self.ctx.launcher.start(
                 self.jobdir.path, cfg, attempt, endpoint, run_id, expected_nodes=1 + others,
-                restarts_left=cfg.launch.max_restarts - job.restarts)
+                restarts_left=cfg.launch.max_restarts - restarts_in_a_row(job))
         assert self.agent is not None
         self.store.record(self.name, EventKind.LAUNCH,
                           f"agent attempt {attempt} pid {self.agent.ref.pid}",
@@ -721,7 +721,7 @@ class JobSupervisor:
             # the membership change, not for a failure of its own, starts with restart 0
             return cause if cause == "node_lost" else None
         self._seen_group_restarts |= new
-        self.store.update(self.name, restarts=job.restarts + len(new))
+        self.store.update(self.name, **counted_restarts(job, len(new)))
         self.ctx.metrics.restarts.labels(self.name, cause).inc(len(new))
         return cause
 

@@ -131,7 +131,10 @@ class Standby:
                    f"{record.last_ckpt_step})")
         if self.store.has_job(record.name):  # led from here before, then followed
             self.store.update(record.name, config_json=config_json, leader="",
-                                    restarts=record.restarts, agent_pid=0, agent_started=0,
+                                    restarts=record.restarts,
+                                    restarts_in_a_row=record.restarts_in_a_row,
+                                    progress_mark=record.progress_mark, agent_pid=0,
+                                    agent_started=0,
                                     attempt=max(record.attempt,
                                                 self.store.get_job(record.name).attempt))
         else:
@@ -139,7 +142,9 @@ class Standby:
                                   message="taken over", job_id=record.job_id)
             self.store.import_events(record.name, record.events)
             self.store.update(record.name, restarts=record.restarts, step=record.step,
-                              last_ckpt_step=record.last_ckpt_step, attempt=record.attempt)
+                              last_ckpt_step=record.last_ckpt_step, attempt=record.attempt,
+                              restarts_in_a_row=record.restarts_in_a_row,
+                              progress_mark=record.progress_mark)
         leadership.adopt_events(record.events)
         jobdir.create(config_json)
         write_local_job_id(jobdir.path, record.job_id)

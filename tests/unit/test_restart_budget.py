@@ -1,0 +1,85 @@
+"""The restart budget (daemon/policies.py): `launch.max_restarts` restarts in a row without
+progress. A crash loop spends it and the job fails; a long job whose faults are independent
+(a new checkpoint committed between them) trains on through any number of them."""
+
+from __future__ import annotations
+
+import pytest
+
+from ds3d.daemon.policies import RestartPolicy, counted_restarts, restarts_in_a_row
+from ds3d.daemon.store import Store
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = Store(tmp_path / "state.db")
+    s.create_job("j", "{}", "n", str(tmp_path / "run"))
+    yield s
+    s.close()
+
+
+def restart(store: Store, policy: RestartPolicy) -> bool:
+    """One fault: the policy's decision on the stored job, counted as a restart if it allows."""
+    job = store.get_job("j")
+    decision = policy.decide(restarts_in_a_row(job), "worker_exit")
+    if decision.restart:
+        store.update("j", **counted_restarts(job))
+    return decision.restart
+
+
+def test_a_crash_loop_spends_the_budget(store):
+    policy = RestartPolicy(max_restarts=3)
+    store.update("j", last_ckpt_step=10)  # progress before the loop began counts for nothing
+    assert [restart(store, policy) for _ in range(4)] == [True, True, True, False]
+    job = store.get_job("j")
+    assert (job.restarts, job.restarts_in_a_row, job.progress_mark) == (3, 3, 10)
+    reason = policy.decide(restarts_in_a_row(job), "worker_exit").reason
+    assert reason.startswith("worker_exit: restart budget spent (3 of 3 restarts used, in a "
+                             "row without a new checkpoint)"), reason
+
+
+def test_independent_faults_with_progress_between_them_never_spend_it(store):
+    policy = RestartPolicy(max_restarts=2)
+    for fault in range(10):
+        assert restart(store, policy), f"fault {fault}"
+        store.update("j", last_ckpt_step=100 * (fault + 1))  # trained on, committed a new one
+    job = store.get_job("j")
+    assert job.restarts == 10 and restarts_in_a_row(job) == 0 and job.restarts_in_a_row == 1
+
+
+def test_an_older_checkpoint_committed_again_is_not_progress(store):
+    """After a rollback the steps up to the old newest checkpoint are trained again: saving
+    them again is no progress (the daemon's last_ckpt_step never goes back)."""
+    policy = RestartPolicy(max_restarts=1)
+    store.update("j", last_ckpt_step=50)
+    assert restart(store, policy)
+    store.update("j", last_ckpt_step=50)
+    assert not restart(store, policy)
+    store.update("j", last_ckpt_step=52)
+    assert restart(store, policy)
+
+
+def test_group_restarts_count_together(store):
+    job = store.get_job("j")
+    store.update("j", **counted_restarts(job, 2))
+    job = store.get_job("j")
+    assert (job.restarts, restarts_in_a_row(job)) == (2, 2)
+
+
+def test_a_new_leader_takes_the_count_over():
+    """etcd mode: the leader's published record carries the count, so that a crash loop does
+    not start over with each new leader; records of older and newer daemons still parse."""
+    import json
+
+    from ds3d.daemon.job_leadership import JobRecord
+
+    rec = JobRecord("j", "id", "{}", "a:1", 1, "RUNNING", "RUNNING", 4, 10, 0.0, 8, 2, [],
+                    restarts_in_a_row=2, progress_mark=8)
+    back = JobRecord.parse(rec.dump())
+    assert back == rec
+    older = json.loads(rec.dump())
+    del older["restarts_in_a_row"], older["progress_mark"]
+    assert (JobRecord.parse(json.dumps(older)).restarts_in_a_row,
+            JobRecord.parse(json.dumps(older)).progress_mark) == (0, -1)
+    newer = {**json.loads(rec.dump()), "a_later_field": 1}
+    assert JobRecord.parse(json.dumps(newer)) == rec
