@@ -273,6 +273,33 @@ def test_an_unloadable_first_checkpoint_pauses_the_job_with_it_kept(daemon):
 
 
 @pytest.mark.timeout(900)
+def test_independent_crashes_with_progress_between_them_do_not_spend_the_budget(daemon):
+    """`launch.max_restarts=1`, and two crashes with new checkpoints committed between them:
+    the budget counts restarts in a row without progress (daemon/policies.py), so the second
+    crash is restarted too (its agent had no restart left: the daemon relaunches) and the job
+    completes. A lifetime budget FAILED it: a weeks-long job died at its fourth hardware fault."""
+    name = "two-crashes"
+    start(daemon, name, *ONE_WORKER, "--steps", "60", "--set", "launch.max_restarts=1")
+    inject_before_training(daemon, name, "crash", rank=0, at_step=4)
+    first = daemon.wait_for(name, lambda j: j["restarts"] == 1, "the first restart",
+                            timeout_s=300)
+    daemon.wait_for(name, lambda j: j["last_checkpoint_step"] > first["last_checkpoint_step"]
+                    and j["state"] == "RUNNING", "a new checkpoint after it", timeout_s=300)
+    channel, stub = daemon.stub()
+    with channel:
+        stub.InjectFault(pb.InjectFaultRequest(name=name, kind="crash", rank=0, at_step=0),
+                         timeout=30)
+    job = daemon.wait_state(name, "COMPLETED", "FAILED", timeout_s=600)
+    assert job["state"] == "COMPLETED", job["message"]
+    assert job["restarts"] == 2 and job["step"] == 60, job
+    crashes = [e for e in daemon.event_details(name)
+               if e["kind"] == "fault" and e["cause"] == "injected_crash"]
+    assert len(crashes) == 2, crashes
+    launches = [e for e in daemon.event_details(name) if e["kind"] == "launch"]
+    assert len(launches) == 2  # the second crash: the agent's budget was spent, the daemon's not
+
+
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("rank", [3])  # either rank of the TP group: unit test_step_analysis
 def test_straggler_is_named_and_exported_per_rank(daemon, reference, rank):
     """Rank 3's forward becomes slow (a throttled device): every rank's wall step time
