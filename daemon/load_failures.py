@@ -4,7 +4,7 @@ A checkpoint whose files all verify can still fail inside DeepSpeed's load: a wr
 or shape the model does not have. Restarting the worker group loads the same newest checkpoint
 and fails the same way until the restart budget is spent and the job FAILS, where nobody can
 `ds3dctl rollback` it any more. The workers report such a failure (a `checkpoint` record, phase
-`load_failed`, trainer/load_failure.py; a lost peer or an allocation failure is not one); this
+`load_failed`, trainer/load_failure.py; a lost peer, memory or a disk error is not one); this
 detector turns a step whose load failed in two worker groups into a fault that rolls back past
 it: the supervisor restarts from the newest committed checkpoint before it (a rollback, which
 deletes the unloadable step with the abandoned timeline).

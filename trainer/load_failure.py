@@ -18,10 +18,15 @@ _PEER_MARKERS = ("gloo", "nccl", "connection closed", "connection reset", "broke
 
 
 def checkpoint_at_fault(exc: BaseException) -> bool:
-    """True unless the error is an allocation failure or a collective's (peer, network)."""
+    """True unless the error is an allocation failure, a collective's (peer, network) or the
+    disk's at that moment (EIO, ENOSPC: the bytes verified just before). A file the load looks
+    for and does not find is the checkpoint's (another layout's file names)."""
     import torch.distributed as dist
 
     if is_oom(exc) or isinstance(exc, dist.DistError):
+        return False
+    if isinstance(exc, OSError) and \
+            not isinstance(exc, FileNotFoundError | NotADirectoryError | IsADirectoryError):
         return False
     text = str(exc).lower()
     return not any(m in text for m in _PEER_MARKERS)

@@ -92,6 +92,10 @@ def test_only_the_checkpoints_own_errors_are_reported():
     assert not checkpoint_at_fault(torch.OutOfMemoryError("CUDA out of memory."))
     assert not checkpoint_at_fault(RuntimeError("DefaultCPUAllocator: can't allocate memory: "
                                                 "you tried to allocate 8 bytes"))
+    # the disk at that moment, not the bytes that verified just before; but a file the load
+    # looks for that the checkpoint lacks is the checkpoint's
+    assert not checkpoint_at_fault(OSError(5, "Input/output error"))
+    assert checkpoint_at_fault(FileNotFoundError(2, "No such file", "layer_03-model_00.pt"))
     assert brief(RuntimeError("a\n\n\tb  c")) == "RuntimeError: a b c"
     assert len(brief(ValueError("x" * 2000))) == 500
 
