@@ -32,6 +32,7 @@ from .errors import LongCallLimitError
 from .job_leadership import LEASE_TTL_S
 from .logging import get_logger
 from .peers import HeadReplacingError, PeerClient, PeerError, Shares
+from .policies import restarts_in_a_row
 from .service import JobService, Rebalance, parse_config
 from .store import Event, Job
 
@@ -133,7 +134,8 @@ def job_to_proto(job: Job, split: dict[str, Any] | None = None) -> pb.JobStatus:
         updated_at=job.updated_at, message=job.message, node=job.node, run_dir=job.run_dir,
         world_size=job.world_size, stage_boundaries=boundaries,
         partition_source=source, step_split=split_to_proto(split),
-        memory_snapshot_step=job.memory_snapshot_step)
+        memory_snapshot_step=job.memory_snapshot_step,
+        restarts_in_a_row=restarts_in_a_row(job))
 
 
 def plan_to_proto(pred: Prediction) -> pb.PartitionPlan:

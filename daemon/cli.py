@@ -344,7 +344,8 @@ def job_dict(j: pb.JobStatus) -> dict[str, Any]:
         "name": j.spec.name, "state": _state(j.state), "desired_state": _state(j.desired_state),
         "step": j.step, "total_steps": j.spec.total_steps,
         "loss": None if math.isnan(j.loss) else j.loss, "tokens_per_s": j.tokens_per_s,
-        "eta_s": j.eta_s, "restarts": j.restarts, "last_checkpoint_step": j.last_checkpoint_step,
+        "eta_s": j.eta_s, "restarts": j.restarts, "restarts_in_a_row": j.restarts_in_a_row,
+        "last_checkpoint_step": j.last_checkpoint_step,
         "memory_snapshot_step": j.memory_snapshot_step,
         "layout": {"tp": j.spec.tp, "pp": j.spec.pp, "dp": j.spec.dp,
                    "zero_stage": j.spec.zero_stage, "nnodes": j.spec.nnodes},
@@ -449,6 +450,19 @@ def job_table(jobs: Sequence[pb.JobStatus]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
                      for r in rows)
+
+
+def budget_text(j: pb.JobStatus) -> str | None:
+    """The restart budget of a job that restarted (None before its first restart)."""
+    if not j.restarts:
+        return None
+    try:
+        allowed = int(json.loads(j.spec.config_json)["launch"]["max_restarts"])
+    except (ValueError, KeyError, TypeError):
+        allowed = None
+    of = f" of {allowed}" if allowed is not None else ""
+    return (f"restart budget: {j.restarts_in_a_row}{of} used (restarts in a row without a new "
+            f"checkpoint; {j.restarts} restart{'s' if j.restarts != 1 else ''} in all)")
 
 
 def log_paths_text(j: pb.JobStatus) -> str:
@@ -595,6 +609,8 @@ def run(args: argparse.Namespace, out: Any = sys.stdout) -> int:
                 print(f"\nmessage: {jobs[0].message}", file=out)  # the reason and its fix, whole
             if interval is not None:
                 print(f"\n{interval.message} (as of step {interval.step})", file=out)
+            if c == "status" and args.job and (budget := budget_text(jobs[0])):
+                print(f"\n{budget}", file=out)
             if c == "status" and args.job and jobs[0].memory_snapshot_step >= 0:
                 print(f"\nnewest memory-only snapshot: step {jobs[0].memory_snapshot_step} (held "
                       "in memory only, no files)", file=out)

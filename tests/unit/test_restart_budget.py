@@ -83,3 +83,22 @@ def test_a_new_leader_takes_the_count_over():
             JobRecord.parse(json.dumps(older)).progress_mark) == (0, -1)
     newer = {**json.loads(rec.dump()), "a_later_field": 1}
     assert JobRecord.parse(json.dumps(newer)) == rec
+
+
+def test_status_shows_the_budget_of_a_job_that_restarted(store, tmp_path):
+    """GetJob carries the budget's count beside the total; `ds3dctl status JOB` says both."""
+    from ds3d.daemon.api import job_to_proto
+    from ds3d.daemon.cli import budget_text, job_dict
+    from ds3d.trainer.config import build_job_config
+
+    cfg = build_job_config("tiny", ["launch.max_restarts=3"], name="b")
+    store.create_job("b", cfg.dump_json(), "n", str(tmp_path / "b"))
+    assert budget_text(job_to_proto(store.get_job("b"))) is None  # never restarted
+    store.update("b", restarts=4, restarts_in_a_row=1, progress_mark=20, last_ckpt_step=20)
+    status = job_to_proto(store.get_job("b"))
+    assert (status.restarts, status.restarts_in_a_row) == (4, 1)
+    assert job_dict(status)["restarts_in_a_row"] == 1
+    assert budget_text(status) == ("restart budget: 1 of 3 used (restarts in a row without a "
+                                   "new checkpoint; 4 restarts in all)")
+    store.update("b", last_ckpt_step=30)  # progress since the last restart: the budget is whole
+    assert job_to_proto(store.get_job("b")).restarts_in_a_row == 0
