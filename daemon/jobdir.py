@@ -40,7 +40,6 @@ from ds3d.trainer.kinds import FaultKind
 from ds3d.trainer.report import report_segments
 
 from .commands import Command
-from .store import CheckpointRow
 
 # Control files the head copies to the other nodes of a multi-node job: rank 0 (which reads
 # commands) and the rank named by an injection may run on any node.
@@ -76,13 +75,6 @@ class JobDir:
     @property
     def logs(self) -> Path:
         return self.path / "logs"
-
-    def holds(self, row: CheckpointRow) -> bool:
-        """The index row's checkpoint folder is on this node's disk."""
-        if not row.path or "://" in row.path:
-            return False
-        p = Path(row.path)
-        return (p if p.is_absolute() else self.ckpt / p).exists()
 
     @property
     def control(self) -> Path:

@@ -380,7 +380,12 @@ class JobService:
         return self.store.checkpoints(name), changes
 
     def checkpoint_present(self, name: str, row: CheckpointRow) -> bool:
-        return JobDir(self.jobs_root, name).holds(row)
+        if not row.path or "://" in row.path:
+            return False
+        p = Path(row.path)
+        if not p.is_absolute():
+            p = JobDir(self.jobs_root, name).ckpt / p
+        return p.exists()
 
     def events(self, name: str, after_seq: int, follow: bool, kinds: list[str],
                step_every: int, is_active: Callable[[], bool]) -> Iterator[Event]:
