@@ -227,10 +227,7 @@ class JobService:
             have = ", ".join(map(str, usable)) or "none yet (`ds3dctl save JOB` makes one)"
             raise NotFoundError(f"job {name!r} has no checkpoint at step {step}; "
                                 f"checkpoints: {have}")
-        job = self.store.record(name, EventKind.REQUEST, f"rollback to step {step} requested",
-                                step=step, desired_state=JobState.RUNNING, rollback_step=step,
-                                command_id=job.command_id + 1, command_action="",
-                                command_acked=job.command_id + 1)
+        job = self.store.request_rollback(name, step, f"rollback to step {step} requested")
         self.supervisors.poke(name)
         return job
 

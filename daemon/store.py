@@ -478,6 +478,17 @@ class Store:
                                     **{k: v for k, v in event_fields.items() if k != "step"}})
         return self.get_job(name)
 
+    def request_rollback(self, name: str, step: int, message: str) -> Job:
+        """A rollback to `step` as the job's next start (the supervisor's ROLLBACK handler kills
+        the workers and restarts them from it): a REQUEST event, and the commands pending for
+        the workers it replaces acknowledged, never delivered to the new ones."""
+        with self._lock:  # the command number read and written in one go (an RLock)
+            job = self.get_job(name)
+            return self.record(name, EventKind.REQUEST, message, step=step,
+                               desired_state=JobState.RUNNING, rollback_step=step,
+                               command_id=job.command_id + 1, command_action="",
+                               command_acked=job.command_id + 1)
+
     def import_events(self, name: str, events: Iterable[dict[str, Any]]) -> int:
         """Events another daemon recorded (a job taken over from its lost leader, whose events
         came through etcd), stored in their order before this daemon's own; returns how many."""

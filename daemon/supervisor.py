@@ -479,10 +479,8 @@ class JobSupervisor:
             self._record_fault(job, fault)
             self.incidents.fault(fault.cause, fault.detected_at)
             self._kill_agent(now=True)  # now: by the next tick's rollback, a third group loads it
-            self.store.record(self.name, EventKind.REQUEST,
-                              f"rollback to step {to} past unloadable checkpoint step {bad}",
-                              step=to, rollback_step=to, command_id=job.command_id + 1,
-                              command_action="", command_acked=job.command_id + 1)
+            self.store.request_rollback(
+                self.name, to, f"rollback to step {to} past unloadable checkpoint step {bad}")
             return
         why = (f"checkpoint step {after} could not be loaded either, and two unloadable "
                "checkpoints point to the environment (DeepSpeed's version, the configuration, "

@@ -8,6 +8,7 @@ import pytest
 import torch.distributed as dist
 
 from ds3d.daemon.ports import hold_port
+from ds3d.daemon.store import Store
 
 
 @pytest.fixture
@@ -23,3 +24,12 @@ def one_rank_group() -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def job_store(tmp_path) -> Iterator[Store]:
+    """A daemon state store holding one PENDING job, "j"."""
+    s = Store(tmp_path / "state.db")
+    s.create_job("j", "{}", "n", str(tmp_path / "run"))
+    yield s
+    s.close()

@@ -12,7 +12,6 @@ import torch
 
 from ds3d.daemon.load_failures import CAUSE, UnloadableCheckpoints
 from ds3d.daemon.reports import Observation, record_to_event
-from ds3d.daemon.store import Store
 from ds3d.trainer.faults import UNKNOWN_KEY, _add_unknown_key
 from ds3d.trainer.kinds import EventKind
 from ds3d.trainer.load_failure import brief, checkpoint_at_fault
@@ -29,17 +28,9 @@ def failed(step, restart, rank=0, detail="RuntimeError: Unexpected key(s) in sta
             "restart": restart, "source": "local", "detail": detail}
 
 
-@pytest.fixture
-def store(tmp_path):
-    s = Store(tmp_path / "state.db")
-    s.create_job("j", "{}", "n", str(tmp_path / "run"))
-    yield s
-    s.close()
-
-
-def test_a_step_that_fails_in_two_groups_is_rolled_back_past(store):
-    d = UnloadableCheckpoints(store, "j")
-    job = store.get_job("j")
+def test_a_step_that_fails_in_two_groups_is_rolled_back_past(job_store):
+    d = UnloadableCheckpoints(job_store, "j")
+    job = job_store.get_job("j")
     # every rank of one group, and the same group's record read again: one group
     assert d.check(job, obs(failed(8, 1), failed(8, 1, rank=1)), None) is None
     assert d.check(job, obs(failed(8, 1)), None) is None
@@ -52,13 +43,13 @@ def test_a_step_that_fails_in_two_groups_is_rolled_back_past(store):
     assert d.check(job, obs(failed(8, 3)), None) is None
 
 
-def test_the_target_of_a_rollback_failing_too_is_said(store):
+def test_the_target_of_a_rollback_failing_too_is_said(job_store):
     """The supervisor stores the fault with `rollback_to`; when that step fails in two groups
     as well, the detector says which rollback chose it (the supervisor then pauses)."""
-    store.record("j", EventKind.FAULT, "step 8 unloadable", cause=CAUSE, step=8,
-                 detail={"unloadable_step": 8, "rollback_to": 6})
-    d = UnloadableCheckpoints(store, "j")  # a new daemon: read from the store
-    job = store.get_job("j")
+    job_store.record("j", EventKind.FAULT, "step 8 unloadable", cause=CAUSE, step=8,
+                     detail={"unloadable_step": 8, "rollback_to": 6})
+    d = UnloadableCheckpoints(job_store, "j")  # a new daemon: read from the store
+    job = job_store.get_job("j")
     d.check(job, obs(failed(6, 0)), None)
     f = d.check(job, obs(failed(6, 1)), None)
     assert f is not None and f.detail["rolled_back_from"] == 8, f
@@ -66,9 +57,9 @@ def test_the_target_of_a_rollback_failing_too_is_said(store):
     assert d.rolled_back_here(4) is None
 
 
-def test_the_newest_twice_failed_step_comes_first(store):
-    d = UnloadableCheckpoints(store, "j")
-    job = store.get_job("j")
+def test_the_newest_twice_failed_step_comes_first(job_store):
+    d = UnloadableCheckpoints(job_store, "j")
+    job = job_store.get_job("j")
     d.check(job, obs(failed(4, 0), failed(8, 0)), None)
     f = d.check(job, obs(failed(4, 1), failed(8, 1)), None)
     assert f is not None and f.roll_back_before == 8

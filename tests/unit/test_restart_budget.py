@@ -4,65 +4,55 @@ progress. A crash loop spends it and the job fails; a long job whose faults are 
 
 from __future__ import annotations
 
-import pytest
-
 from ds3d.daemon.policies import RestartPolicy, counted_restarts, restarts_in_a_row
 from ds3d.daemon.store import Store
 
 
-@pytest.fixture
-def store(tmp_path):
-    s = Store(tmp_path / "state.db")
-    s.create_job("j", "{}", "n", str(tmp_path / "run"))
-    yield s
-    s.close()
-
-
-def restart(store: Store, policy: RestartPolicy) -> bool:
+def restart(job_store: Store, policy: RestartPolicy) -> bool:
     """One fault: the policy's decision on the stored job, counted as a restart if it allows."""
-    job = store.get_job("j")
+    job = job_store.get_job("j")
     decision = policy.decide(restarts_in_a_row(job), "worker_exit")
     if decision.restart:
-        store.update("j", **counted_restarts(job))
+        job_store.update("j", **counted_restarts(job))
     return decision.restart
 
 
-def test_a_crash_loop_spends_the_budget(store):
+def test_a_crash_loop_spends_the_budget(job_store):
     policy = RestartPolicy(max_restarts=3)
-    store.update("j", last_ckpt_step=10)  # progress before the loop began counts for nothing
-    assert [restart(store, policy) for _ in range(4)] == [True, True, True, False]
-    job = store.get_job("j")
+    job_store.update("j", last_ckpt_step=10)  # progress before the loop began counts for nothing
+    assert [restart(job_store, policy) for _ in range(4)] == [True, True, True, False]
+    job = job_store.get_job("j")
     assert (job.restarts, job.restarts_in_a_row, job.progress_mark) == (3, 3, 10)
     reason = policy.decide(restarts_in_a_row(job), "worker_exit").reason
     assert reason.startswith("worker_exit: restart budget spent (3 of 3 restarts used, in a "
                              "row without a new checkpoint)"), reason
 
 
-def test_independent_faults_with_progress_between_them_never_spend_it(store):
+def test_independent_faults_with_progress_between_them_never_spend_it(job_store):
     policy = RestartPolicy(max_restarts=2)
     for fault in range(10):
-        assert restart(store, policy), f"fault {fault}"
-        store.update("j", last_ckpt_step=100 * (fault + 1))  # trained on, committed a new one
-    job = store.get_job("j")
+        assert restart(job_store, policy), f"fault {fault}"
+        job_store.update("j", last_ckpt_step=100 * (fault + 1))  # trained on, committed a new one
+    job = job_store.get_job("j")
     assert job.restarts == 10 and restarts_in_a_row(job) == 0 and job.restarts_in_a_row == 1
 
 
-def test_an_older_checkpoint_committed_again_is_not_progress(store):
+def test_an_older_checkpoint_committed_again_is_not_progress(job_store):
     """After a rollback the steps up to the old newest checkpoint are trained again: saving
     them again is no progress (the daemon's last_ckpt_step never goes back)."""
     policy = RestartPolicy(max_restarts=1)
-    store.update("j", last_ckpt_step=50)
-    assert restart(store, policy)
-    store.update("j", last_ckpt_step=50)
-    assert not restart(store, policy)
-    store.update("j", last_ckpt_step=52)
-    assert restart(store, policy)
+    job_store.update("j", last_ckpt_step=50)
+    assert restart(job_store, policy)
+    job_store.update("j", last_ckpt_step=50)
+    assert not restart(job_store, policy)
+    job_store.update("j", last_ckpt_step=52)
+    assert restart(job_store, policy)
 
 
-def test_group_restarts_count_together(store):
-    job = store.get_job("j")
-    store.update("j", **counted_restarts(job, 2))
-    job = store.get_job("j")
+def test_group_restarts_count_together(job_store):
+    job = job_store.get_job("j")
+    job_store.update("j", **counted_restarts(job, 2))
+    job = job_store.get_job("j")
     assert (job.restarts, restarts_in_a_row(job)) == (2, 2)
 
 
@@ -85,20 +75,20 @@ def test_a_new_leader_takes_the_count_over():
     assert JobRecord.parse(json.dumps(newer)) == rec
 
 
-def test_status_shows_the_budget_of_a_job_that_restarted(store, tmp_path):
+def test_status_shows_the_budget_of_a_job_that_restarted(job_store, tmp_path):
     """GetJob carries the budget's count beside the total; `ds3dctl status JOB` says both."""
     from ds3d.daemon.api import job_to_proto
     from ds3d.daemon.cli import budget_text, job_dict
     from ds3d.trainer.config import build_job_config
 
     cfg = build_job_config("tiny", ["launch.max_restarts=3"], name="b")
-    store.create_job("b", cfg.dump_json(), "n", str(tmp_path / "b"))
-    assert budget_text(job_to_proto(store.get_job("b"))) is None  # never restarted
-    store.update("b", restarts=4, restarts_in_a_row=1, progress_mark=20, last_ckpt_step=20)
-    status = job_to_proto(store.get_job("b"))
+    job_store.create_job("b", cfg.dump_json(), "n", str(tmp_path / "b"))
+    assert budget_text(job_to_proto(job_store.get_job("b"))) is None  # never restarted
+    job_store.update("b", restarts=4, restarts_in_a_row=1, progress_mark=20, last_ckpt_step=20)
+    status = job_to_proto(job_store.get_job("b"))
     assert (status.restarts, status.restarts_in_a_row) == (4, 1)
     assert job_dict(status)["restarts_in_a_row"] == 1
     assert budget_text(status) == ("restart budget: 1 of 3 used (restarts in a row without a "
                                    "new checkpoint; 4 restarts in all)")
-    store.update("b", last_ckpt_step=30)  # progress since the last restart: the budget is whole
-    assert job_to_proto(store.get_job("b")).restarts_in_a_row == 0
+    job_store.update("b", last_ckpt_step=30)  # progress since the last restart: the budget is whole
+    assert job_to_proto(job_store.get_job("b")).restarts_in_a_row == 0
