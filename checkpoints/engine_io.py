@@ -48,7 +48,13 @@ from .manifest import CheckpointMeta, Layout, Manifest, manifest_from_entries
 from .node_memory import Fingerprint, NodeArena, no_room
 from .read_ahead import ReadAhead, ReadResult
 from .recovery_scripts import copy_recovery_scripts_once, recovery_scripts_skipped
-from .reshape import check_reshapable, convert_to_universal, needs_reshape
+from .reshape import (
+    UNIVERSAL_SUFFIX,
+    ConversionError,
+    check_reshapable,
+    convert_to_universal,
+    needs_reshape,
+)
 from .settings import CheckpointSettings
 from .snapshot import HeldSnapshot, SnapshotCheckpointEngine
 from .storage import Storage, job_store_url, open_storage
@@ -86,6 +92,9 @@ class RestorePlan:
     # "memory", "node_memory": the state is a memory-only snapshot (no checkpoint of its step
     # was written; a save of that step is still to be made)
     memory_only: bool = False
+    # a new pipeline split the checkpoint could not be converted to: the boundaries it was
+    # saved with, which the engine is built with instead (the loop keeps them: partition.json)
+    keep_split: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -317,22 +326,57 @@ class CheckpointManager:
                     return self.confirm(self.plan_restore(exclude=exclude | {step}))
                 read_ahead = None  # the converted files are what is loaded
         tag = manifest.tag
+        keep_split = None
         if universal:
             check_reshapable(saved, me.tp, me.pp, me.dp, self.settings.zero_stage)
-            if me.local_rank == 0:
-                t0 = time.perf_counter()
-                tag = convert_to_universal(self.local_dir, manifest.tag)
-                moved_detail = f", stages {saved_parts} -> {self.partition}" if moved else ""
-                self.emit("checkpoint", step=step, phase="reshaped",
-                          detail=f"(tp,pp,dp) {saved.tp},{saved.pp},{saved.dp} -> "
-                                 f"{me.tp},{me.pp},{me.dp}{moved_detail}",
-                          seconds=round(time.perf_counter() - t0, 3))
+            change = f"(tp,pp,dp) {saved.tp},{saved.pp},{saved.dp} -> {me.tp},{me.pp},{me.dp}" + (
+                f", stages {list(saved_parts or [])} -> {self.partition}" if moved else "")
+            # only the pipeline split moved (a measured re-split, `ds3dctl rebalance`): if the
+            # conversion fails, the checkpoint loads as it is into the split it was saved with
+            only_split = moved and not needs_reshape(saved, me.tp, me.pp, me.dp)
+            if self._convert(step, manifest.tag, change, only_split):
+                tag = manifest.tag + UNIVERSAL_SUFFIX
             else:
-                tag = manifest.tag + "_universal"
-            dist.barrier()
+                keep_split, universal = [int(b) for b in saved_parts or []], False
         source = "store" if found is not None and found.source == "downloaded" else "local"
         return RestorePlan(step=step, tag=tag, manifest=manifest, universal=universal,
-                           source=source, read_ahead=read_ahead, excluded=exclude)
+                           source=source, read_ahead=read_ahead, excluded=exclude,
+                           keep_split=keep_split)
+
+    def _convert(self, step: int, tag: str, change: str, only_split: bool) -> bool:
+        """Collective: each node's first local rank converts its copy of `tag` into a universal
+        checkpoint (reshape.py); True when every node's conversion succeeded. When only the
+        pipeline split moved (`only_split`), a failure returns False: the restore keeps the
+        split the checkpoint was saved with (phase `reshape_failed`). Otherwise it raises; the
+        rank that met the converter's refusal of the checkpoint itself (every later try would
+        meet it too) reports it first (phase `load_failed`, cause `reshape`: the daemon pauses
+        the job, daemon/load_failures.py); a failure of the moment (memory, disk, a signal) is
+        only raised, for the restart to try again."""
+        failed: ConversionError | None = None
+        if self.me.local_rank == 0:
+            t0 = time.perf_counter()
+            try:
+                convert_to_universal(self.local_dir, tag)
+                self.emit("checkpoint", step=step, phase="reshaped", detail=change,
+                          seconds=round(time.perf_counter() - t0, 3))
+            except ConversionError as e:
+                failed = e
+        any_failed = torch.tensor([int(failed is not None)], dtype=torch.long, device=self.device)
+        dist.all_reduce(any_failed, op=dist.ReduceOp.MAX)
+        if not any_failed.item():
+            return True
+        if only_split:
+            if failed is not None:
+                self.emit("checkpoint", step=step, phase="reshape_failed",
+                          detail=f"{change}: {failed.reason}")
+            return False
+        if failed is None:
+            raise ConversionError(f"another node could not convert checkpoint step {step} to "
+                                  f"this layout ({change}); its ranks' records say why", False)
+        if failed.checkpoint_at_fault:
+            self.emit("checkpoint", step=step, phase="load_failed", cause="reshape",
+                      reshape=change, detail=failed.reason)
+        raise failed
 
     def _agree_node_held(self) -> int:
         """Collective: the newest step every rank holds in node memory (adopted at start: one

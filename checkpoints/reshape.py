@@ -21,6 +21,26 @@ from .manifest import Layout
 
 UNIVERSAL_SUFFIX = "_universal"
 
+# what the converter prints when the moment failed it, not the checkpoint: memory, the disk
+_MOMENT_MARKERS = ("memoryerror", "cannot allocate memory", "no space left on device",
+                   "input/output error", "disk quota exceeded")
+
+
+class ConversionError(CheckpointError):
+    """`ds_to_universal` failed on a checkpoint whose files verified. `checkpoint_at_fault`:
+    the converter's own error (a pattern or shape it cannot join), which every later try meets
+    again; False when a signal killed it (the kernel's OOM killer) or it ran out of memory or
+    disk, which a later try may not. Retryable either way, not a refusal of the job's
+    configuration: the worker group is restarted, and the daemon pauses the job when the same
+    checkpoint failed in two groups (daemon/load_failures.py)."""
+
+    retryable = True
+
+    def __init__(self, message: str, checkpoint_at_fault: bool, reason: str = "") -> None:
+        super().__init__(message)
+        self.checkpoint_at_fault = checkpoint_at_fault
+        self.reason = reason or message  # the converter's last line: its exception
+
 
 def needs_reshape(saved: Layout, tp: int, pp: int, dp: int) -> bool:
     return (saved.tp, saved.pp, saved.dp) != (tp, pp, dp)
@@ -51,8 +71,18 @@ def convert_to_universal(ckpt_dir: str | Path, tag: str, workers: int = 2) -> st
     env = dict(os.environ, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-        raise CheckpointError(f"converting {tag} to a universal checkpoint failed "
-                              f"(exit {proc.returncode}); DeepSpeed said:\n{tail}")
+        said = (proc.stdout + proc.stderr).strip()
+        tail = "\n".join(said.splitlines()[-15:])
+        at_fault = converter_at_fault(proc.returncode, said)
+        last = said.splitlines()[-1].strip() if said else f"killed by signal {-proc.returncode}" \
+            if proc.returncode < 0 else f"exit {proc.returncode}"
+        raise ConversionError(f"converting {tag} to a universal checkpoint failed "
+                              f"(exit {proc.returncode}); DeepSpeed said:\n{tail}", at_fault, last)
     done.write_text("ok\n")
     return out_tag
+
+
+def converter_at_fault(returncode: int, output: str) -> bool:
+    """Whether `ds_to_universal` failing with `returncode` and `output` refused the checkpoint
+    itself: not when a signal killed it or it ran out of memory or disk."""
+    return returncode > 0 and not any(m in output.lower() for m in _MOMENT_MARKERS)

@@ -8,7 +8,7 @@
     ds3dctl events JOB [--follow]      ds3dctl logs JOB
     ds3dctl checkpoints JOB | save JOB | rollback JOB STEP
     ds3dctl start tiny --nodes 2 --dp 2 --hosts HEAD_ADDR,NODE2_ADDR --store URL   (multi-node)
-    ds3dctl inject JOB nan|hang|crash|slow|spike|unloadable --rank R [--at-step S]
+    ds3dctl inject JOB nan|hang|crash|slow|spike|unloadable|unconvertible --rank R [--at-step S]
                                        (ds3dd --enable-fault-injection)
     ds3dctl rebalance JOB [--dry-run] [--json]   pipeline partition from measured layer costs
 

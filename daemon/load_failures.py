@@ -9,6 +9,11 @@ detector turns a step whose load failed in two worker groups into a fault that r
 it: the supervisor restarts from the newest committed checkpoint before it (a rollback, which
 deletes the unloadable step with the abandoned timeline).
 
+A checkpoint that DeepSpeed's converter refuses when the layout changed (a lost node: phase
+`load_failed`, cause `reshape`, checkpoints/engine_io.py) is not rolled back past: every older
+checkpoint needs the same conversion. The job is PAUSED at once (after two groups), everything
+kept, until the layout it was saved with is back or the cause is fixed.
+
 Only one step back by itself: when the checkpoint it rolled back to fails to load as well, the
 cause is likelier the environment (a DeepSpeed version, the configuration, the disk) than two
 checkpoints, and walking further back would delete good ones. The job is then PAUSED with every
@@ -35,6 +40,7 @@ class UnloadableCheckpoints:
         self.store, self.job, self.groups = store, job, groups
         # step -> {(daemon attempt, agent restart): "rank R: error"} of its failed loads
         self.failed: dict[int, dict[tuple[int, int], str]] = {}
+        self.reshape: dict[int, str] = {}  # step -> the layout change its conversion failed
 
     def check(self, job: Job, obs: Observation, agent_exit: int | None) -> Fault | None:
         for rec in obs.kinds(RecordKind.CHECKPOINT):
@@ -44,14 +50,21 @@ class UnloadableCheckpoints:
             group = (job.attempt, int(rec.get("restart", 0)))
             self.failed.setdefault(step, {}).setdefault(
                 group, f"rank {rec.get('rank', '?')}: {rec.get('detail', '')}")
+            if rec.get("cause") == "reshape":
+                self.reshape[step] = str(rec.get("reshape", "?"))
         for step in sorted(self.failed, reverse=True):
             if len(self.failed[step]) >= self.groups:
                 errors = list(self.failed.pop(step).values())
-                return self._fault(step, errors)
+                return self._fault(step, errors, self.reshape.pop(step, None))
         return None
 
-    def _fault(self, step: int, errors: list[str]) -> Fault:
+    def _fault(self, step: int, errors: list[str], reshape: str | None) -> Fault:
         detail: dict[str, Any] = {"unloadable_step": step, "errors": errors}
+        if reshape is not None:
+            detail["reshape"] = reshape
+            return Fault(CAUSE, f"checkpoint step {step} could not be converted to this layout "
+                                f"({reshape}) by {len(errors)} worker groups: {errors[-1]}",
+                         restart=False, step=step, detail=detail, roll_back_before=step)
         message = (f"checkpoint step {step} could not be loaded by {len(errors)} worker groups "
                    f"(its files verified): {errors[-1]}")
         after = self.rolled_back_here(step)

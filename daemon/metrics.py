@@ -14,7 +14,7 @@ from .states import JobState
 
 # The `problem` label of ds3d_checkpoint_problems_total (a fixed set, never a step)
 CHECKPOINT_PROBLEMS = ("skipped", "abandoned", "failed", "cleanup_failed", "load_failed",
-                       "corrupt", "missing", "foreign")
+                       "reshape_failed", "corrupt", "missing", "foreign")
 
 
 class Metrics:

@@ -100,7 +100,8 @@ def record_to_event(rec: dict[str, Any]) -> dict[str, Any] | None:
             template = PROBLEM_PHASES.get(f"{rec['phase']}:{rec.get('cause')}",
                                           PROBLEM_PHASES[rec["phase"]])
             ev["message"] = template.format(
-                step=ev["step"], cause=ev["cause"], detail=rec.get("detail", ""))
+                step=ev["step"], cause=ev["cause"], detail=rec.get("detail", ""),
+                reshape=rec.get("reshape", "?"))
     elif kind == RecordKind.START:
         ev["message"] = (f"rank {ev['rank']} started (restart {ev['restart']}, world "
                          f"{rec.get('world_size')}, from step {rec.get('step', 0)})")
@@ -224,6 +225,12 @@ PROBLEM_PHASES = {
                       "state changed): {detail}",
     # DeepSpeed could not load a checkpoint whose hashes verified (trainer/load_failure.py)
     "load_failed": "checkpoint step {step} could not be loaded (its files verified): {detail}",
+    # ... nor converted to the job's new layout by DeepSpeed's universal checkpoint (a lost node)
+    "load_failed:reshape": "checkpoint step {step} could not be converted to this layout "
+                           "({reshape}) by DeepSpeed's ds_to_universal: {detail}",
+    # a new pipeline split it could not be converted to: the split it was saved with is kept
+    "reshape_failed": "checkpoint step {step} could not be converted to the new pipeline split "
+                      "({detail}); the job trains on in the split it was saved with",
 }
 
 

@@ -463,14 +463,15 @@ class JobSupervisor:
     def _roll_back_past(self, job: Job, fault: Fault) -> None:
         """A checkpoint that cannot be loaded (daemon/load_failures.py): a rollback to the newest
         committed checkpoint before it (durable and verified, downloaded if need be), outside
-        the restart budget (a new start, not the same one again); or, when there is none or
-        this one was the target of such a rollback already, PAUSED with every checkpoint
-        kept."""
+        the restart budget (a new start, not the same one again); or, when there is none, this
+        one was the target of such a rollback already, or its conversion to a new layout
+        failed (an older one needs the same), PAUSED with every checkpoint kept."""
         bad = int(fault.roll_back_before or 0)
         older = [r.step for r in self.store.checkpoints(self.name)
                  if r.phase == "committed" and r.step < bad]
         after = fault.detail.get("rolled_back_from")
-        if older and after is None:
+        reshape = fault.detail.get("reshape")
+        if older and after is None and reshape is None:
             to = max(older)
             fault = replace(fault, message=(
                 f"{fault.message}; rolling back to the checkpoint of step {to}: steps "
@@ -486,10 +487,15 @@ class JobSupervisor:
                "checkpoints point to the environment (DeepSpeed's version, the configuration, "
                "the disk) more than to the checkpoints" if after is not None else
                "no committed checkpoint before it to roll back to")
-        fault = replace(fault, message=(
-            f"{fault.message}; PAUSED with every checkpoint kept: {why}. Fix the cause and "
-            "`ds3dctl resume JOB`, or `ds3dctl rollback JOB --step N` to an older checkpoint "
-            "(`ds3dctl checkpoints JOB`)"))
+        ways_out = ("Fix the cause and `ds3dctl resume JOB`, or `ds3dctl rollback JOB --step N` "
+                    "to an older checkpoint (`ds3dctl checkpoints JOB`)")
+        if reshape is not None:
+            why = "every older checkpoint needs the same conversion"
+            ways_out = ("Bring back the layout it was saved with (its nodes) and `ds3dctl "
+                        "resume JOB`, or fix the conversion's cause (DeepSpeed's version, the "
+                        "job's [parallel] settings) and resume")
+        fault = replace(fault, message=f"{fault.message}; PAUSED with every checkpoint kept: "
+                                       f"{why}. {ways_out}")
         self._record_fault(job, fault)
         self._kill_agent(now=True)
         self._to(JobState.PAUSED, fault.message, cause=fault.cause,

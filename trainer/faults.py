@@ -24,6 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -93,6 +94,7 @@ class FaultInjector:
         self._mtime = 0.0
         self._pending: dict | None = None
         self._unloadable: object | None = None  # the state-dict hook of an UNLOADABLE fault
+        self.unconvertible = False  # an UNCONVERTIBLE fault: universal_info spoils what it gives
 
     def _poll(self) -> dict | None:
         path = self.control / "inject.json"
@@ -156,6 +158,18 @@ class FaultInjector:
         if self._unloadable is None:
             self._unloadable = _add_unknown_key(model)
 
+    def _make_unconvertible(self, model: torch.nn.Module) -> None:
+        self.unconvertible = True
+
+    def universal_info(self, info: dict[str, Any]) -> dict[str, Any]:
+        """A checkpoint's `universal_checkpoint_info` (trainer/checkpoint_info.py), with a
+        pattern that matches no parameter after an UNCONVERTIBLE fault: DeepSpeed's converter
+        asserts that every pattern matched ("Unused patterns ... while merging tp slices")."""
+        if not self.unconvertible:
+            return info
+        key = "tp_replicated_parameter_patterns"
+        return {**info, key: [*info[key], UNMATCHED_PATTERN]}
+
     def after_save(self, ckpt) -> None:
         """After each save: the save an UNLOADABLE fault spoiled is waited for until it is
         durable (committed, on rank 0), then this rank crashes, so that the restart restores
@@ -187,6 +201,7 @@ FAULT_ACTIONS: dict[FaultKind, Callable[[FaultInjector, torch.nn.Module], None]]
     FaultKind.NAN: FaultInjector._nan,
     FaultKind.SPIKE: FaultInjector._spike_up,
     FaultKind.UNLOADABLE: FaultInjector._make_unloadable,
+    FaultKind.UNCONVERTIBLE: FaultInjector._make_unconvertible,
 }
 
 SLOW_FORWARD_S = 0.1  # per micro-batch: a straggler is slow where it computes, not between steps
@@ -227,6 +242,7 @@ def _scale_last_layer(model: torch.nn.Module, factor: float):
 
 
 UNKNOWN_KEY = "ds3d_drill_unknown_key"
+UNMATCHED_PATTERN = r".*\.ds3d_drill_no_such_parameter$"
 
 
 def _add_unknown_key(model: torch.nn.Module) -> object:

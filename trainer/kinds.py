@@ -77,6 +77,10 @@ class FaultKind(enum.StrEnum):
     # the rank's next checkpoint holds a key its model lacks (every hash verifies it, DeepSpeed's
     # strict load refuses it: a writer's bug); the rank crashes once that checkpoint is committed
     UNLOADABLE = "unloadable"
+    # the rank's checkpoints from now on carry a universal-checkpoint pattern that matches no
+    # parameter: they load as they are, and DeepSpeed's converter refuses them (a restore into
+    # another layout: a lost node, a new pipeline split). Rank 0 writes the pattern's file
+    UNCONVERTIBLE = "unconvertible"
 
 
 class DoneReason(enum.StrEnum):

@@ -33,7 +33,7 @@ from .kinds import SKIPPED_UPDATE, DoneReason, RecordKind
 from .layer_profile import PartitionTuner
 from .layout import ParallelLayout, ProcessEnv
 from .load_failure import brief, checkpoint_at_fault
-from .partition import current_partition
+from .partition import Partition, current_partition, write_partition_file
 from .process_age import process_started_at
 from .report import Reporter
 from .tensorboard import TensorBoardLog
@@ -110,6 +110,7 @@ class Trainer:
         self.ckpt.partition = self.partition.boundaries  # a checkpoint of another split: universal
         rollback = self._read_rollback() if env.rank == 0 else None
         plan = self.ckpt.plan_restore(rollback) if cfg.checkpoint.load else None
+        self._keep_split(plan)
         self.reporter.emit(RecordKind.HEARTBEAT, step=plan.step if plan else 0, phase="build")
         t0 = time.perf_counter()
         self.step_fn = TrainStep(cfg, layout, device, load_universal=bool(plan and plan.universal),
@@ -117,10 +118,12 @@ class Trainer:
         # the local copy was read and hashed while the engine was built; a copy that failed
         # its hashes gives another plan, which rarely needs the other kind of engine
         t1 = time.perf_counter()
-        built_universal, plan = bool(plan and plan.universal), self.ckpt.confirm(plan)
+        built = (bool(plan and plan.universal), self.partition.boundaries)
+        plan = self.ckpt.confirm(plan)
+        self._keep_split(plan)
         # a restore's build phase split: the engine's build, then the wait for the read
         build_s = {"engine": round(t1 - t0, 3), "read_wait": round(time.perf_counter() - t1, 3)}
-        if plan is not None and plan.universal != built_universal:
+        if plan is not None and (plan.universal, self.partition.boundaries) != built:
             del self.step_fn
             self.step_fn = TrainStep(cfg, layout, device, load_universal=plan.universal,
                                      parts=self.partition.boundaries)
@@ -136,6 +139,19 @@ class Trainer:
                                  env.restart_count) if env.rank == 0 else None
         if self.tb is not None:
             self.tb.scalar("faults/restarts", env.restart_count, self.step)
+
+    def _keep_split(self, plan) -> None:
+        """A new pipeline split the restored checkpoint could not be converted to: the job
+        trains on in the split it was saved with, kept in partition.json, so that later
+        starts neither convert nor measure again (`ds3dctl rebalance` can still move it)."""
+        if plan is None or plan.keep_split is None or plan.keep_split == self.partition.boundaries:
+            return
+        detail = {"decision": "kept", "step": plan.step, "previous": self.partition.boundaries,
+                  "reason": "the checkpoint could not be converted to the new split"}
+        if self.env.local_rank == 0:
+            write_partition_file(self.run_dir, self.cfg, plan.keep_split, "checkpoint", **detail)
+        self.partition = Partition(list(plan.keep_split), "checkpoint", detail)
+        self.ckpt.partition = self.partition.boundaries
 
     def _read_rollback(self) -> int | None:
         """`control/restore.json` {"step": N}: the daemon's rollback request for this start."""
@@ -183,7 +199,8 @@ class Trainer:
         return {"iteration": self.step,
                 "ds3d": {"step": self.step, "tokens_seen": self.tokens_seen,
                          "model": self.cfg.model.model_dump(mode="json")},
-                "universal_checkpoint_info": universal_checkpoint_info(self.cfg)}
+                "universal_checkpoint_info":
+                    self.injector.universal_info(universal_checkpoint_info(self.cfg))}
 
     def _position(self) -> dict[str, Any]:
         """Where the data stands, for a checkpoint's manifest."""

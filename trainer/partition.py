@@ -171,7 +171,9 @@ def check_runnable(parts: Sequence[int], n_layers: int, stages: int) -> str | No
 @dataclass(frozen=True)
 class Partition:
     boundaries: list[int]
-    source: str  # "parameters", "uniform", "explicit", "measured", "rebalance"
+    # "parameters", "uniform", "explicit", "measured", "rebalance", or "checkpoint" (a re-split
+    # the checkpoint could not be converted to: its own split kept, trainer/loop.py)
+    source: str
     detail: dict[str, Any] = field(default_factory=dict)  # partition.json, when it came from one
 
 

@@ -39,11 +39,12 @@ if TYPE_CHECKING:
 
 
 def config_refusal(e: BaseException) -> bool:
-    """True for errors that a restart cannot fix: ds3d's own refusals and DeepSpeed refusing
+    """True for errors that a restart cannot fix: ds3d's own refusals (not those it marks
+    retryable: a store outage, a checkpoint conversion that failed) and DeepSpeed refusing
     its configuration (DeepSpeedConfigError, or a pydantic ValidationError of its config
     models, e.g. an unknown key under `zero_optimization`)."""
     if isinstance(e, Ds3dError):
-        return True
+        return not e.retryable
     from pydantic import ValidationError
 
     if isinstance(e, ValidationError):

@@ -339,3 +339,75 @@ def test_lost_node_job_finishes_on_the_others_with_a_reshape(tmp_path):
             d.stop()
         for d in daemons:
             kill_job_processes(d.state_dir)
+
+
+def test_a_lost_nodes_checkpoint_the_converter_refuses_pauses_the_job(tmp_path):
+    """Two nodes at DP 2 (launch.min_nodes 1) whose checkpoints DeepSpeed's converter refuses
+    (drill: `unconvertible` on rank 0: a pattern no parameter matches). Node b is SIGKILLed:
+    node a alone must restore the newest checkpoint at DP 1, its conversion fails in two worker
+    groups, and the job is PAUSED: not rolled back (an older checkpoint needs the same
+    conversion), not FAILED by the restart budget, every checkpoint kept, the message naming
+    the layout change, DeepSpeed's error and the ways out. Node b returns and `ds3dctl resume`
+    runs the job at DP 2 again from that checkpoint, loaded as saved, to its end."""
+    token = new_token()
+    a, b = daemons = [DaemonProc(tmp_path / n, token=token, node=f"node-{n}",
+                                 args=["--hang-timeout", "120", "--node-addr", f"127.0.0.{i + 1}",
+                                       "--enable-fault-injection"])
+                      for i, n in enumerate("ab")]
+    steps = 400
+    store = tmp_path / "shared-store"
+    try:
+        for d in daemons:
+            d.start()
+        r = a.ctl("start", "tiny", "--name", "uc", "--dp", "2", "--steps", str(steps),
+                  "--set", "launch.min_nodes=1", "--set", "train.micro_batch_size=1",
+                  "--set", "train.global_batch_size=2", "--set", "checkpoint.interval=5",
+                  "--set", "train.warmup_steps=2", "--hosts", f"{a.addr},{b.addr}",
+                  "--store", f"file://{store}")
+        assert r.returncode == 0, r.stderr
+        two = a.wait_for("uc", lambda j: j["world_size"] == 2 and j["state"] == "RUNNING"
+                         or j["state"] in ("FAILED", "COMPLETED"), "DP 2", timeout_s=300)
+        assert two["state"] == "RUNNING", a.ctl("logs", "uc").stdout[-5000:]
+        r = a.ctl("inject", "uc", "unconvertible", "--rank", "0")
+        assert r.returncode == 0, r.stderr
+        # every save from the step the injection struck on carries the pattern: the restore
+        # at DP 1 meets one of them
+        deadline = time.monotonic() + 120
+        while not (struck := [e["step"] for e in a.events("uc")
+                              if e["cause"] == "injected_unconvertible"]):
+            assert time.monotonic() < deadline, a.events("uc")
+            time.sleep(0.2)
+        spoiled = -(-struck[0] // 5) * 5
+        wait_for_commit(a, store, "uc", spoiled)
+
+        b.kill()  # node b dies: its daemon, then its agent and worker, all by SIGKILL
+        kill_job_processes(b.state_dir)
+        paused = a.wait_state("uc", "PAUSED", "FAILED", "COMPLETED", timeout_s=400)
+        assert paused["state"] == "PAUSED", a.ctl("logs", "uc").stdout[-5000:]
+        message = paused["message"]
+        m = re.search(r"checkpoint step (\d+) could not be converted to this layout "
+                      r"\(\(tp,pp,dp\) 1,1,2 -> 1,1,1\) by 2 worker groups: rank 0: "
+                      r"AssertionError: Unused patterns", message)
+        assert m and int(m.group(1)) >= spoiled, message
+        kept = int(m.group(1))
+        assert "every older checkpoint needs the same conversion" in message, message
+        assert "Bring back the layout it was saved with" in message, message
+        events = a.events("uc")
+        assert not [e for e in events if "rollback" in e["message"]], events
+        listed = a.ctl("checkpoints", "uc", "--json")
+        assert kept in [c["step"] for c in json.loads(listed.stdout)], listed
+
+        b.argv[b.argv.index("--listen") + 1] = b.addr  # node b returns on its address
+        b.start()
+        r = a.ctl("resume", "uc")
+        assert r.returncode == 0, r.stderr
+        done = a.wait_state("uc", "COMPLETED", "FAILED", "PAUSED", timeout_s=400)
+        assert done["state"] == "COMPLETED" and done["world_size"] == 2, \
+            a.ctl("logs", "uc").stdout[-5000:]
+        loaded = [r for r in rank0_records(Path(done["run_dir"]), "checkpoint")
+                  if r["phase"] == "loaded"]
+        assert (kept, False) in [(r["step"], r["universal"]) for r in loaded], loaded
+    finally:
+        for d in daemons:
+            d.stop()
+            kill_job_processes(d.state_dir)

@@ -10,9 +10,10 @@ import json
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, ProcessFailure
 
+from ds3d.checkpoints.reshape import ConversionError
 from ds3d.daemon.agent import failure_result
 from ds3d.daemon.detectors import EXIT_CONFIG as DETECTOR_EXIT_CONFIG
-from ds3d.trainer.errors import ConfigError, StorageError
+from ds3d.trainer.errors import ConfigError, StorageError, TransientStorageError
 from ds3d.trainer.exit_codes import EXIT_CONFIG
 from ds3d.trainer.worker import config_refusal, main
 
@@ -37,6 +38,9 @@ def test_deepspeed_refusing_its_config_is_a_refusal():
     assert config_refusal(StorageError("checkpoint store refused"))  # ds3d's own refusals
     assert not config_refusal(RuntimeError("gloo: connection reset by peer"))
     assert not config_refusal(ValueError("buffer size must be a multiple of element size"))
+    # ds3d's errors it marks retryable are not refusals: the group is restarted
+    assert not config_refusal(TransientStorageError("store unreachable"))
+    assert not config_refusal(ConversionError("ds_to_universal failed", True))
 
 
 def _failure(tmp_path, rank: int, exitcode: int, error: BaseException | None) -> ProcessFailure:

@@ -65,6 +65,36 @@ def test_the_newest_twice_failed_step_comes_first(job_store):
     assert f is not None and f.roll_back_before == 8
 
 
+def test_a_conversion_the_converter_refuses_pauses_rather_than_rolls_back(job_store):
+    """A checkpoint DeepSpeed's converter refuses after a layout change (engine_io: cause
+    `reshape`): the fault carries the change, for the supervisor to pause (an older checkpoint
+    needs the same conversion) instead of rolling back past it."""
+    d = UnloadableCheckpoints(job_store, "j")
+    job = job_store.get_job("j")
+    rec = {**failed(8, 0, detail="AssertionError: Unused patterns=['x']"), "cause": "reshape",
+           "reshape": "(tp,pp,dp) 1,1,2 -> 1,1,1"}
+    assert d.check(job, obs(rec), None) is None
+    f = d.check(job, obs({**rec, "restart": 1}), None)
+    assert f is not None and f.detail["reshape"] == "(tp,pp,dp) 1,1,2 -> 1,1,1", f
+    assert f.message == ("checkpoint step 8 could not be converted to this layout ((tp,pp,dp) "
+                         "1,1,2 -> 1,1,1) by 2 worker groups: rank 0: AssertionError: Unused "
+                         "patterns=['x']")
+    ev = record_to_event({**rec, "time": 1.0})
+    assert ev["cause"] == "reshape" and ev["message"] == (
+        "checkpoint step 8 could not be converted to this layout ((tp,pp,dp) 1,1,2 -> 1,1,1) by "
+        "DeepSpeed's ds_to_universal: AssertionError: Unused patterns=['x']")
+
+
+def test_a_conversion_failure_of_the_moment_is_not_the_checkpoints():
+    from ds3d.checkpoints.reshape import converter_at_fault
+
+    refused = "Traceback ...\nAssertionError: Unused patterns=['x'] while merging tp slices"
+    assert converter_at_fault(1, refused)
+    assert not converter_at_fault(-9, "")  # the kernel's OOM killer
+    assert not converter_at_fault(1, "Traceback ...\nMemoryError")
+    assert not converter_at_fault(1, "OSError: [Errno 28] No space left on device: 'x.pt'")
+
+
 def test_the_event_of_a_failed_load_says_what_and_where():
     ev = record_to_event({**failed(8, 1), "time": 1.0})
     assert ev["cause"] == "load_failed" and ev["step"] == 8
