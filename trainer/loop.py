@@ -321,6 +321,8 @@ class Trainer:
         step can recover from in place."""
         cid, action = self.inbox.poll() if self.env.rank == 0 else (0, 0)
         due, hold = self._intervals_due()
+        if self.env.world_size == 1:  # nothing to agree with: no copy to and from the device
+            return (cid, action, bad, spike, due, applied, hold)
         flags = torch.tensor([cid, action, int(bad), int(spike), int(due), int(applied),
                               int(hold)], dtype=torch.long, device=self.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)

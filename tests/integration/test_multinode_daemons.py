@@ -368,17 +368,29 @@ def test_a_lost_nodes_checkpoint_the_converter_refuses_pauses_the_job(tmp_path):
         two = a.wait_for("uc", lambda j: j["world_size"] == 2 and j["state"] == "RUNNING"
                          or j["state"] in ("FAILED", "COMPLETED"), "DP 2", timeout_s=300)
         assert two["state"] == "RUNNING", a.ctl("logs", "uc").stdout[-5000:]
-        r = a.ctl("inject", "uc", "unconvertible", "--rank", "0")
-        assert r.returncode == 0, r.stderr
+        def injected(kind: str, rank: str) -> int:
+            """The step at which `kind` struck `rank` (one request at a time: inject.json)."""
+            r = a.ctl("inject", "uc", kind, "--rank", rank)
+            assert r.returncode == 0, r.stderr
+            deadline = time.monotonic() + 120
+            while not (struck := [e["step"] for e in a.events("uc")
+                                  if e["cause"] == f"injected_{kind}"]):
+                assert time.monotonic() < deadline, a.events("uc")
+                time.sleep(0.2)
+            return int(struck[0])
+
+        # rank 1 computes 0.1 s slower a micro-batch from now on: the DP 2 group cannot train
+        # to its end while the events reach the test, however loaded the machine
+        injected("slow", "1")
         # every save from the step the injection struck on carries the pattern: the restore
         # at DP 1 meets one of them
-        deadline = time.monotonic() + 120
-        while not (struck := [e["step"] for e in a.events("uc")
-                              if e["cause"] == "injected_unconvertible"]):
-            assert time.monotonic() < deadline, a.events("uc")
-            time.sleep(0.2)
-        spoiled = -(-struck[0] // 5) * 5
-        wait_for_commit(a, store, "uc", spoiled)
+        spoiled = -(-injected("unconvertible", "0") // 5) * 5
+        manifests = store / "uc" / "ckpt"
+        deadline = time.monotonic() + 300
+        while max((int(m.parent.name.removeprefix("step-"))
+                   for m in manifests.glob("step-*/MANIFEST.json")), default=-1) < spoiled:
+            assert time.monotonic() < deadline, a.ctl("logs", "uc").stdout[-5000:]
+            time.sleep(0.05)
 
         b.kill()  # node b dies: its daemon, then its agent and worker, all by SIGKILL
         kill_job_processes(b.state_dir)
