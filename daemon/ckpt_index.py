@@ -6,8 +6,9 @@ mid-commit), a checkpoint deleted or damaged behind the job's back, a step a res
 The store is the truth, so the index is reconciled with it:
 
 - when the daemon starts supervising a job (a daemon restart),
-- after checkpoint trouble (a failed, abandoned or skipped checkpoint, and the next commit
-  after such trouble: the end of an outage), in the background, retried while the store is out,
+- after checkpoint trouble (a failed, abandoned or skipped checkpoint, one that could not be
+  loaded, and the next commit after such trouble: the end of an outage), in the background,
+  retried while the store is out,
 - on demand, `ds3dctl checkpoints JOB --verify` (ListCheckpoints verify), which also downloads
   every committed file and checks its sha256.
 
@@ -39,8 +40,10 @@ from .store import CheckpointRow, Job, Store
 
 # The store's verdicts that are problems (counted in ds3d_checkpoint_problems_total)
 _PROBLEMS = ("corrupt", "missing", "foreign")
-# Report phases after which the index is reconciled (in the background)
-TROUBLE_PHASES = ("failed", "abandoned", "skipped", "cleanup_failed")
+# Report phases after which the index is reconciled (in the background). `load_failed`: the
+# automatic rollback past an unloadable checkpoint targets the newest step the index has as
+# committed, and a worker that crashed right after a commit may never have reported it
+TROUBLE_PHASES = ("failed", "abandoned", "skipped", "cleanup_failed", "load_failed")
 
 
 @dataclass

@@ -129,6 +129,23 @@ def test_checkpoint_trouble_and_the_commit_after_it_reconcile_in_the_background(
     assert phases(store) == {10: "committed", 20: "committed"}
 
 
+def test_a_failed_load_reconciles_the_rollback_target(tmp_path: Path) -> None:
+    """A worker that crashed right after a commit never reported it: the index says `saved`
+    for a step the store holds committed. A checkpoint that then fails to load makes the
+    daemon reconcile, so the automatic rollback past it (which targets the index's committed
+    rows) finds that step."""
+    from ds3d.daemon.ckpt_index import IndexReconciler
+
+    store, storage, job_id = make_job(tmp_path)
+    ingest(store, (10, "saved"), (20, "saved"), (20, "committed"))
+    commit(storage, tmp_path / "local", 10, job_id)
+    commit(storage, tmp_path / "local", 20, job_id)
+    reconciler = IndexReconciler(store, Metrics(), "idx", retry_s=0.1)
+    reconciler.observe([{"kind": "checkpoint", "phase": "load_failed", "step": 20}])
+    reconciler.wait(10)
+    assert phases(store) == {10: "committed", 20: "committed"}
+
+
 def test_checkpoints_a_rollback_or_a_recovery_deleted_are_listed_as_deleted(tmp_path: Path
                                                                             ) -> None:
     """`ds3dctl rollback JOB 20` deletes the newer checkpoints; the index listed them as
