@@ -71,13 +71,18 @@ def convert_to_universal(ckpt_dir: str | Path, tag: str, workers: int = 2) -> st
     env = dict(os.environ, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
+        shutil.rmtree(out, ignore_errors=True)  # a half-written copy of the whole state
         said = (proc.stdout + proc.stderr).strip()
         tail = "\n".join(said.splitlines()[-15:])
-        at_fault = converter_at_fault(proc.returncode, said)
-        last = said.splitlines()[-1].strip() if said else f"killed by signal {-proc.returncode}" \
-            if proc.returncode < 0 else f"exit {proc.returncode}"
+        if said:
+            last = said.splitlines()[-1].strip()
+        elif proc.returncode < 0:
+            last = f"killed by signal {-proc.returncode}"
+        else:
+            last = f"exit {proc.returncode}"
         raise ConversionError(f"converting {tag} to a universal checkpoint failed "
-                              f"(exit {proc.returncode}); DeepSpeed said:\n{tail}", at_fault, last)
+                              f"(exit {proc.returncode}); DeepSpeed said:\n{tail}",
+                              converter_at_fault(proc.returncode, said), last)
     done.write_text("ok\n")
     return out_tag
 
