@@ -46,6 +46,29 @@ def pick_device(cfg: JobConfig, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def check_precision(cfg: JobConfig, device: torch.device) -> None:
+    """Refuses (ConfigError: the job FAILS at once, not a restart loop) a precision this device
+    cannot run, which DeepSpeed's engine would otherwise reject with a bare ValueError ("Type
+    fp16 is not supported on your device") at every restart. On a CPU, fp16 needs oneDNN's
+    fp16 kernels (AVX512-FP16 or AMX-FP16: Intel Sapphire Rapids and later; not AMD EPYC)."""
+    from deepspeed.accelerator import get_accelerator
+
+    precision = cfg.train.precision
+    accelerator = get_accelerator()
+    supported = {"fp16": accelerator.is_fp16_supported, "bf16": accelerator.is_bf16_supported}
+    if precision not in supported or supported[precision]():
+        return
+    from .errors import ConfigError
+
+    hint = " (oneDNN has no fp16 kernels for this CPU: AVX512-FP16 or AMX-FP16 are missing)" \
+        if device.type == "cpu" and precision == "fp16" else ""
+    raise ConfigError(
+        f'train.precision = "{precision}" cannot run on this {device.type} device{hint}: '
+        f"DeepSpeed's {accelerator.device_name()} accelerator does not support it. Set "
+        f'train.precision = "bf16" or "fp32" (from a DeepSpeed config: "{precision}": '
+        '{"enabled": false}), or run the job where ' + precision + " is supported")
+
+
 def init_distributed(device: torch.device, timeout: timedelta) -> None:
     """NCCL on GPU, gloo on CPU; the collective timeout turns a stuck collective into an error
     (the daemon's hang detector usually fires first)."""

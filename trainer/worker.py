@@ -125,7 +125,7 @@ def _train(cfg: JobConfig, run_dir: Path, env, stop_at_step: int | None,
            startup: StartupTimeline) -> int:
     import torch
 
-    from .layout import ParallelLayout, init_distributed, pick_device
+    from .layout import ParallelLayout, check_precision, init_distributed, pick_device
     from .loop import Trainer
     from .oom import exit_now, is_oom, oom_evidence, report_oom
     from .report import Reporter
@@ -137,6 +137,7 @@ def _train(cfg: JobConfig, run_dir: Path, env, stop_at_step: int | None,
     init_distributed(device, timeout=timedelta(seconds=float(os.environ.get(
         "DS3D_COLLECTIVE_TIMEOUT_S", 300))))
     startup.mark("process_group")
+    check_precision(cfg, device)  # DeepSpeed's accelerator is the device's from here on
     cfg = cfg.at_world_size(env.world_size)  # an elastic job after losing or regaining nodes
     layout = ParallelLayout(cfg, env)
     startup.mark("layout")

@@ -12,6 +12,7 @@ import math
 import re
 
 import pytest
+import torch
 
 from support import REPO, records, torchrun
 
@@ -94,6 +95,16 @@ def test_runs_three_steps_as_the_config_says(row, tmp_path):
 
     source, overrides = job_source(row["file"])
     expected = validated_job(source, overrides)  # what ds3dctl check shows
+    if expected.train.precision == "fp16" and not torch.ops.mkldnn._is_mkldnn_fp16_supported():
+        # a CPU without oneDNN fp16 kernels (AMD EPYC; Intel before Sapphire Rapids): DeepSpeed
+        # cannot run fp16 here, and the workers refuse the job at once, saying what to do
+        with pytest.raises(AssertionError, match="agent exited"):
+            torchrun(tmp_path, 1, config=source, sets=overrides)
+        said = (tmp_path / "torchrun.log").read_text()
+        assert 'train.precision = "fp16" cannot run on this cpu device' in said, said[-3000:]
+        assert 'Set train.precision = "bf16" or "fp32"' in said
+        assert not records(tmp_path, 0, "step")
+        return
     torchrun(tmp_path, 1, config=source, sets=overrides)
     steps = records(tmp_path, 0, "step")
     assert [r["step"] for r in steps] == [1, 2, 3]
