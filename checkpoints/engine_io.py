@@ -41,7 +41,7 @@ import torch.distributed as dist
 from . import layout
 from .catalog import Catalog, CkptState
 from .disk_space import Shortage
-from .errors import CheckpointError, Ds3dError
+from .errors import CheckpointError, Ds3dError, RestoreError
 from .identity import claim_prefix, local_job_id
 from .local_complete import agree_local_step, read_record
 from .manifest import CheckpointMeta, Layout, Manifest, manifest_from_entries
@@ -294,7 +294,7 @@ class CheckpointManager:
             found = self.catalog.newest_restorable(checksums=True, download=True, only_step=step,
                                                    uncommit_corrupt=True)
             if found is None or found.step != step:
-                raise CheckpointError(f"rank {self.me.rank}'s node cannot get checkpoint step "
+                raise RestoreError(f"rank {self.me.rank}'s node cannot get checkpoint step "
                                       f"{step} that rank 0 chose (it found "
                                       f"{found.step if found else 'none'})")
         manifest = local_manifest if step == local_step and local_manifest is not None else \
@@ -529,7 +529,7 @@ class CheckpointManager:
                                              load_optimizer_states=True,
                                              load_lr_scheduler_states=True)
         if path is None:
-            raise CheckpointError(f"DeepSpeed could not load {plan.tag} from {self.local_dir}")
+            raise RestoreError(f"DeepSpeed could not load {plan.tag} from {self.local_dir}")
         self._node_held = False
         self.newest_durable = min(self.newest_durable, plan.step)
         # a rollback to another state abandons the newer held copies (saves of the abandoned

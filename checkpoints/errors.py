@@ -64,3 +64,12 @@ class CheckpointError(Ds3dError):
     """A checkpoint is missing, incomplete, corrupt, or cannot be restored into this layout."""
 
     grpc_code = "FAILED_PRECONDITION"
+
+
+class RestoreError(CheckpointError):
+    """A restore that failed at this start (a node could not get the step rank 0 chose, a
+    conversion to a new layout failed, DeepSpeed found nothing to load): not a refusal of the
+    job's configuration. The worker group is restarted, and the daemon acts on a checkpoint
+    that keeps failing (daemon/load_failures.py) or the restart budget ends the loop."""
+
+    retryable = True

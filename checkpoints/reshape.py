@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .errors import CheckpointError
+from .errors import CheckpointError, RestoreError
 from .manifest import Layout
 
 UNIVERSAL_SUFFIX = "_universal"
@@ -26,15 +26,12 @@ _MOMENT_MARKERS = ("memoryerror", "cannot allocate memory", "no space left on de
                    "input/output error", "disk quota exceeded")
 
 
-class ConversionError(CheckpointError):
+class ConversionError(RestoreError):
     """`ds_to_universal` failed on a checkpoint whose files verified. `checkpoint_at_fault`:
     the converter's own error (a pattern or shape it cannot join), which every later try meets
     again; False when a signal killed it (the kernel's OOM killer) or it ran out of memory or
-    disk, which a later try may not. Retryable either way, not a refusal of the job's
-    configuration: the worker group is restarted, and the daemon pauses the job when the same
-    checkpoint failed in two groups (daemon/load_failures.py)."""
-
-    retryable = True
+    disk, which a later try may not. Retryable either way: the daemon pauses the job when the
+    same checkpoint failed in two worker groups (daemon/load_failures.py)."""
 
     def __init__(self, message: str, checkpoint_at_fault: bool, reason: str = "") -> None:
         super().__init__(message)

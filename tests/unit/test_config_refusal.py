@@ -10,6 +10,7 @@ import json
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, ProcessFailure
 
+from ds3d.checkpoints.errors import RestoreError
 from ds3d.checkpoints.reshape import ConversionError
 from ds3d.daemon.agent import failure_result
 from ds3d.daemon.detectors import EXIT_CONFIG as DETECTOR_EXIT_CONFIG
@@ -41,6 +42,7 @@ def test_deepspeed_refusing_its_config_is_a_refusal():
     # ds3d's errors it marks retryable are not refusals: the group is restarted
     assert not config_refusal(TransientStorageError("store unreachable"))
     assert not config_refusal(ConversionError("ds_to_universal failed", True))
+    assert not config_refusal(RestoreError("rank 1's node cannot get checkpoint step 8"))
 
 
 def _failure(tmp_path, rank: int, exitcode: int, error: BaseException | None) -> ProcessFailure:
