@@ -368,6 +368,7 @@ def test_a_lost_nodes_checkpoint_the_converter_refuses_pauses_the_job(tmp_path):
         two = a.wait_for("uc", lambda j: j["world_size"] == 2 and j["state"] == "RUNNING"
                          or j["state"] in ("FAILED", "COMPLETED"), "DP 2", timeout_s=300)
         assert two["state"] == "RUNNING", a.ctl("logs", "uc").stdout[-5000:]
+
         def injected(kind: str, rank: str) -> int:
             """The step at which `kind` struck `rank` (one request at a time: inject.json)."""
             r = a.ctl("inject", "uc", kind, "--rank", rank)
