@@ -45,6 +45,24 @@ def gpu_memory() -> list[int]:
     return [int(float(line)) << 20 for line in out.split() if line.strip()]  # MiB
 
 
+def cpu_has_fp16(cpuinfo: str | None = None) -> bool | None:
+    """Whether this x86 CPU has the fp16 instructions oneDNN's fp16 kernels need (the flags
+    `avx512_fp16` or `amx_fp16` in /proc/cpuinfo: Intel Sapphire Rapids and later, not AMD
+    EPYC), which DeepSpeed's CPU accelerator requires for fp16; None where it cannot tell
+    (not x86 Linux). The workers check again with torch itself (trainer/layout.py)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return None
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines()
+                  if line.startswith("flags")), None)
+    if flags is None or "avx2" not in flags:  # not an x86 CPU this heuristic knows
+        return None
+    return "avx512_fp16" in flags or "amx_fp16" in flags
+
+
 def node_resources(reported_gpu_bytes: int | None = None,
                    reported_gpus: int = 1) -> NodeResources:
     """This node as the daemon sees it; `reported_gpu_bytes` (ds3dd --report-gpu-memory, for
@@ -52,10 +70,10 @@ def node_resources(reported_gpu_bytes: int | None = None,
     host = psutil.virtual_memory().total
     if reported_gpu_bytes is not None:
         return NodeResources(reported_gpus, reported_gpu_bytes, host,
-                             "reported by ds3dd --report-gpu-memory")
+                             "reported by ds3dd --report-gpu-memory", cpu_has_fp16())
     gpus = gpu_memory()
     return NodeResources(len(gpus), min(gpus) if gpus else None, host,
-                         "measured with nvidia-smi" if gpus else "no GPU")
+                         "measured with nvidia-smi" if gpus else "no GPU", cpu_has_fp16())
 
 
 def check_fit(cfg: JobConfig, node: NodeResources) -> None:
@@ -64,6 +82,13 @@ def check_fit(cfg: JobConfig, node: NodeResources) -> None:
         raise ConfigError(f"job {cfg.name!r} asks for launch.device=\"cuda\" but this node has no "
                           f"GPU ({node.source}); use launch.device=\"cpu\", or \"auto\" (GPUs "
                           "where a node has them), or start it from a node with GPUs")
+    on_cpu = cfg.launch.device == "cpu" or node.gpus == 0
+    if on_cpu and cfg.train.precision == "fp16" and node.cpu_fp16 is False:
+        raise ConfigError(f'job {cfg.name!r}: train.precision = "fp16" cannot run on this '
+                          "node's CPU: it has neither AVX512-FP16 nor AMX-FP16, which DeepSpeed's "
+                          'fp16 on a CPU needs (oneDNN). Set train.precision = "bf16" or "fp32" '
+                          '(from a DeepSpeed config: "fp16": {"enabled": false}), or run the job '
+                          "on GPUs")
     ranks_per_node = cfg.launch.nproc_per_node or max(1, cfg.parallel.world_size //
                                                       cfg.launch.nnodes)
     est = estimate(cfg)

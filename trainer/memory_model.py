@@ -109,6 +109,8 @@ class NodeResources:
     gpu_bytes: int | None  # memory of each GPU; None on a CPU-only node
     host_bytes: int
     source: str = "measured"  # or "reported by --report-gpu-memory"
+    # whether the CPU has fp16 kernels (oneDNN: AVX512-FP16 or AMX-FP16); None: not known
+    cpu_fp16: bool | None = None
 
 
 def layout_of(cfg: JobConfig) -> Layout:

@@ -105,3 +105,25 @@ def test_a_cuda_job_on_a_node_without_gpus_is_refused_before_launch():
         check_fit(build_job_config("tiny", [f'launch.device="{device}"']), cpu_node)
     check_fit(build_job_config("tiny", ['launch.device="cuda"']),
               NodeResources(1, 80 << 30, 64 << 30, "measured"))
+
+
+def test_fp16_on_a_cpu_without_fp16_is_refused_at_start():
+    """Was: launched, and every worker died in DeepSpeed's "Type fp16 is not supported on your
+    device" (an AMD EPYC has no AVX512-FP16/AMX-FP16 for oneDNN's fp16 kernels)."""
+    from ds3d.daemon.fit_check import check_fit, cpu_has_fp16
+    from ds3d.trainer.errors import ConfigError
+    from ds3d.trainer.memory_model import NodeResources
+
+    epyc = "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16 avx512_vnni\n"
+    sapphire = "flags\t\t: fpu avx2 avx512f avx512_bf16 avx512_fp16 amx_bf16 amx_tile\n"
+    assert cpu_has_fp16(epyc) is False and cpu_has_fp16(sapphire) is True
+    assert cpu_has_fp16("Features\t: fp asimd fphp\n") is None  # not x86: the workers tell
+    fp16 = build_job_config("tiny", ['train.precision="fp16"'])
+    with pytest.raises(ConfigError, match='"fp16" cannot run on this node\'s CPU'):
+        check_fit(fp16, NodeResources(0, None, 64 << 30, "no GPU", cpu_fp16=False))
+    check_fit(fp16, NodeResources(0, None, 64 << 30, "no GPU", cpu_fp16=True))
+    check_fit(fp16, NodeResources(0, None, 64 << 30, "no GPU", cpu_fp16=None))
+    check_fit(build_job_config("tiny", ['train.precision="bf16"']),
+              NodeResources(0, None, 64 << 30, "no GPU", cpu_fp16=False))
+    check_fit(build_job_config("tiny", ['train.precision="fp16"', 'launch.device="cuda"']),
+              NodeResources(1, 80 << 30, 64 << 30, "measured", cpu_fp16=False))  # on GPUs
