@@ -361,9 +361,7 @@ class CheckpointManager:
                           seconds=round(time.perf_counter() - t0, 3))
             except ConversionError as e:
                 failed = e
-        any_failed = torch.tensor([int(failed is not None)], dtype=torch.long, device=self.device)
-        dist.all_reduce(any_failed, op=dist.ReduceOp.MAX)
-        if not any_failed.item():
+        if self._everyone(failed is None):
             return True
         if only_split:
             if failed is not None:
@@ -371,8 +369,8 @@ class CheckpointManager:
                           detail=f"{change}: {failed.reason}")
             return False
         if failed is None:
-            raise ConversionError(f"another node could not convert checkpoint step {step} to "
-                                  f"this layout ({change}); its ranks' records say why", False)
+            raise RestoreError(f"another node could not convert checkpoint step {step} to this "
+                               f"layout ({change}); its ranks' records say why")
         if failed.checkpoint_at_fault:
             self.emit("checkpoint", step=step, phase="load_failed", cause="reshape",
                       reshape=change, detail=failed.reason)
@@ -463,9 +461,7 @@ class CheckpointManager:
 
     def _all_verified(self, step: int, result: ReadResult) -> bool:
         """Collective: every rank's read-ahead of `step` matched its recorded hashes."""
-        ok = torch.tensor([int(result.ok)], dtype=torch.long, device=self.device)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-        if ok.item():
+        if self._everyone(result.ok):
             log.info("local_copy_verified", step=step, bytes=result.nbytes,
                      seconds=round(result.seconds, 3),
                      GBps=round(result.nbytes / max(result.seconds, 1e-9) / 1e9, 2))
@@ -651,10 +647,7 @@ class CheckpointManager:
         """Collective: every rank's next memory-only snapshot would copy into its reserved
         arena (snapshot.py `memory_slot_ready`); until then they are skipped, since a copy into
         fresh pageable memory would block longer and take a second state's worth of memory."""
-        ready = torch.tensor([int(self.snapshot.memory_slot_ready())], dtype=torch.long,
-                             device=self.device)
-        dist.all_reduce(ready, op=dist.ReduceOp.MIN)
-        return bool(ready.item())
+        return self._everyone(self.snapshot.memory_slot_ready())
 
     def _on_durable(self, tag: str, paths: list[str]) -> None:
         """Writer thread: this rank's files of `tag` are on local disk; queue the upload. A
@@ -730,6 +723,12 @@ class CheckpointManager:
         self.snapshot.close()
 
     # -- helpers --------------------------------------------------------------------------------
+
+    def _everyone(self, ok: bool) -> bool:
+        """Collective: `ok` on every rank (one all-reduce, MIN)."""
+        t = torch.tensor([int(ok)], dtype=torch.long, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return bool(t.item())
 
     def _broadcast(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.long, device=self.device)
